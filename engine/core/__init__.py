@@ -1,0 +1,1 @@
+"""Memory management and scheduling: block pool, KV cache manager, scheduler."""

@@ -1,0 +1,45 @@
+"""The one plain object ``Scheduler.schedule()`` returns to the model runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of this step.
+
+    The runner computes K/V for tokens ``[start, start + num_new_tokens)`` of
+    ``seq.token_ids`` (positions equal indices); ``block_table`` already has
+    room for them. ``do_sample`` is true when, after this step, every known
+    token has K/V, so the last position's logits pick the next token (false for
+    the non-final chunks of a chunked prefill).
+    """
+
+    group: SequenceGroup
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+    do_sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (src, dst) device block ids; copy-on-write copies, one block each.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (device block, cpu block) to copy device -> cpu before the forward pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (cpu block, device block) to copy cpu -> device before the forward pass.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)

@@ -1,0 +1,43 @@
+"""What the engine hands back: token ids only, text is the caller's business."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One entry per generated token: the sampled token's logprob plus the top-k
+# alternatives, keyed by token id (vLLM's shape).
+TokenLogprobs = dict[int, float]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice. From ``LLMEngine.step`` the lists hold only the tokens new
+    since the previous step (a delta); ``LLM.generate`` returns them whole."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None

@@ -1,0 +1,110 @@
+"""Requests as the scheduler sees them: sequence groups of sequences."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+             SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream. ``token_ids`` holds prompt then output tokens;
+    ``num_computed_tokens`` counts the prefix whose K/V is in the cache."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0  # choice index within its group (n > 1)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_emitted_tokens: int = 0  # output tokens already returned by LLMEngine.step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one known token still lacks K/V."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.get(token_id, 0.0)
+
+    def reset_for_recompute(self) -> None:
+        """Recompute preemption: the K/V is dropped, tokens are kept."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request: its n sequences share the prompt (and its blocks)."""
+
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: bytes | None = None  # extra prefix-hash key (tenant isolation)
+    metrics: RequestMetrics = None  # type: ignore[assignment]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        first = self.seqs[0]
+        return first.token_ids[: first.num_prompt_tokens]
+
+    def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
