@@ -89,6 +89,7 @@ class SequenceGroup:
     cache_salt: bytes | None = None  # extra prefix-hash key (tenant isolation)
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -35,6 +35,9 @@ class SchedulerOutput:
     # (cpu block, device block) to copy cpu -> device before the forward pass.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
+    # they can never run (too long for max_model_len, the token budget or the pool).
+    failed: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

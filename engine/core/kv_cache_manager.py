@@ -1,0 +1,280 @@
+"""Per-sequence block tables over a device pool and a CPU swap pool.
+
+The three primitives of the paper: ``fork`` (share all blocks, ref+1),
+``append`` (claim slots for new tokens; a new block only when the last one is
+full; copy-on-write when the last block is shared) and ``free``. Plus prefix
+cache lookup at admission, hash registration of newly-full computed blocks,
+and whole-sequence swap between the pools.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.block_pool import Block, BlockPool
+from engine.core.prefix_hash import ROOT_HASH, hash_block
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    """One snapshot; slot counts are in tokens (block_size slots per block).
+
+    Device slots partition exactly: tokens_stored + reserved + internal_frag
+    + free_slots == num_blocks * block_size (external fragmentation is 0 for
+    the paged allocator; the field is kept for the contiguous baselines)."""
+
+    block_size: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int  # free but still holding a reusable prefix
+    num_cpu_blocks: int
+    num_cpu_used_blocks: int
+    num_tokens_stored: int  # slots holding live K/V (a shared block counted once)
+    num_reserved_slots: int  # claimed for this step, K/V not written yet
+    num_internal_frag_slots: int  # empty tail slots of partially filled blocks
+    num_external_frag_slots: int
+    num_free_slots: int
+    usage: float  # used blocks / num_blocks
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """One sequence's logical -> physical map: block j holds tokens [j*bs, (j+1)*bs)."""
+
+    blocks: list[Block]
+    block_ids: list[int]  # mirrors ``blocks``; handed to the runner
+    salt: bytes | None  # extra prefix-hash key
+    num_slots: int = 0  # claimed token slots (computed + reserved)
+    num_computed: int = 0
+    num_hashed: int = 0  # leading blocks whose chain hash is known
+    last_hash: bytes = ROOT_HASH  # chain hash of block num_hashed - 1
+    on_cpu: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
+                 enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.device = BlockPool(num_device_blocks, block_size, enable_caching)
+        # Swap space beyond the device pool could never be swapped back in whole.
+        self.cpu = BlockPool(min(num_cpu_blocks, num_device_blocks), block_size, enable_caching=False)
+        self.tables: dict[int, BlockTable] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of which served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.device.num_free_blocks
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return list(self.tables[seq_id].block_ids)
+
+    # -- admission -----------------------------------------------------------
+    def find_cached_prefix(self, token_ids: list[int], salt: bytes | None) -> list[Block]:
+        """Cached blocks matching the leading full blocks of ``token_ids``;
+        never the block of the last token (its logits must be computed)."""
+        hits: list[Block] = []
+        if not self.enable_caching:
+            return hits
+        bs = self.block_size
+        parent = ROOT_HASH
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            chunk = token_ids[start:start + bs]
+            parent = hash_block(parent, chunk, salt)
+            block = self.device.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_blocks_to_admit(self, requests: list[tuple[list[Block], int]]) -> int:
+        """Free blocks that admitting (hits, num_tokens) pairs consumes: new
+        blocks plus cached blocks revived from the free queue (counted once)."""
+        new = 0
+        revived: set[int] = set()
+        for hits, num_tokens in requests:
+            new += _cdiv(num_tokens, self.block_size) - len(hits)
+            revived.update(b.block_id for b in hits if b.ref_count == 0)
+        return new + len(revived)
+
+    def admit(self, seq_id: int, hits: list[Block], salt: bytes | None, num_query_tokens: int) -> None:
+        """New table holding the prefix-cache hits (call ``append`` next)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        for block in hits:
+            self.device.incref(block)
+        num_cached = len(hits) * self.block_size
+        self.tables[seq_id] = BlockTable(
+            list(hits), [b.block_id for b in hits], salt, num_cached, num_cached, len(hits),
+            hits[-1].block_hash if hits else ROOT_HASH)
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_cached
+
+    # -- the three primitives ----------------------------------------------
+    def max_new_blocks(self, num_tokens: int, num_seqs: int) -> int:
+        """Upper bound of ``num_new_blocks`` for ``num_tokens`` new tokens over
+        ``num_seqs`` sequences: per sequence one spilled block plus one copy."""
+        return num_tokens // self.block_size + 2 * num_seqs
+
+    def max_new_blocks(self, num_tokens: int, num_seqs: int) -> int:
+        """Cheap upper bound of ``num_new_blocks`` for ``num_tokens`` new tokens
+        over ``num_seqs`` sequences: per sequence one spilled block and one copy."""
+        return num_tokens // self.block_size + 2 * num_seqs
+
+    def num_new_blocks(self, requests: list[tuple[int, int]]) -> int:
+        """Exact device blocks that ``append`` of each (seq_id, num_new_tokens)
+        in order will allocate, copy-on-write copies included."""
+        bs = self.block_size
+        total = 0
+        refs_left: dict[int, int] | None = None  # shared last blocks: refs not yet copied away
+        for seq_id, num_new in requests:
+            table = self.tables[seq_id]
+            target = table.num_computed + num_new
+            start = table.num_slots
+            if target <= start:
+                continue
+            total += -(-target // bs) - len(table.blocks)
+            if start % bs and table.blocks[-1].ref_count > 1:
+                last = table.blocks[-1]
+                refs_left = refs_left or {}
+                refs = refs_left.get(last.block_id, last.ref_count)
+                if refs > 1:
+                    total += 1
+                    refs_left[last.block_id] = refs - 1
+        return total
+
+    def append(self, seq_id: int, num_new_tokens: int) -> tuple[int, int] | None:
+        """Claim slots for the next ``num_new_tokens`` tokens; returns the
+        (src, dst) copy-on-write copy when the last block was shared."""
+        table = self.tables[seq_id]
+        bs = self.block_size
+        start = table.num_slots
+        target = table.num_computed + num_new_tokens
+        if target <= start:
+            return None
+        copy = self._copy_on_write(table) if start % bs and table.blocks[-1].ref_count > 1 else None
+        pool = self.device
+        blocks = table.blocks
+        if start % bs and target <= len(blocks) * bs:  # fits in the last block: the decode hot path
+            pool.add_fill(blocks[-1], target - start, 0)
+            table.num_slots = target
+            return copy
+        while len(blocks) * bs < target:
+            block = pool.allocate()
+            blocks.append(block)
+            table.block_ids.append(block.block_id)
+        for j in range(start // bs, _cdiv(target, bs)):
+            block = blocks[j]
+            pool.set_fill(block, min(bs, target - j * bs), block.num_computed)
+        table.num_slots = target
+        return copy
+
+    def _copy_on_write(self, table: BlockTable) -> tuple[int, int]:
+        old = table.blocks[-1]
+        new = self.device.allocate()
+        self.device.set_fill(new, old.num_slots, old.num_computed)
+        table.blocks[-1] = new
+        table.block_ids[-1] = new.block_id
+        self.device.decref(old)
+        return old.block_id, new.block_id
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """``child_id`` shares every block of ``parent_id``."""
+        parent = self.tables[parent_id]
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has a block table")
+        if parent.on_cpu or parent.num_slots != parent.num_computed:
+            raise ValueError("fork a running sequence only between steps (after finish_step)")
+        for block in parent.blocks:
+            self.device.incref(block)
+        self.tables[child_id] = BlockTable(
+            list(parent.blocks), list(parent.block_ids), parent.salt, parent.num_slots,
+            parent.num_computed, parent.num_hashed, parent.last_hash)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (no-op when it holds none)."""
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        pool = self.cpu if table.on_cpu else self.device
+        # Tail first: the deepest (least shareable) prefix blocks get evicted first.
+        for block in reversed(table.blocks):
+            pool.decref(block)
+
+    # -- after the forward pass ---------------------------------------------
+    def mark_computed(self, seq_id: int, num_computed: int, token_ids: list[int]) -> None:
+        """K/V of the first ``num_computed`` tokens is written; newly full
+        blocks get their chain hash registered for prefix caching."""
+        table = self.tables[seq_id]
+        if num_computed > table.num_slots:
+            raise ValueError(f"sequence {seq_id}: {num_computed} computed > {table.num_slots} reserved slots")
+        bs = self.block_size
+        pool = self.device
+        done = table.num_computed
+        if done % bs and num_computed <= _cdiv(done, bs) * bs:  # stays in one block: the decode hot path
+            pool.add_fill(table.blocks[done // bs], 0, num_computed - done)
+        else:
+            for j in range(done // bs, _cdiv(num_computed, bs)):
+                block = table.blocks[j]
+                pool.set_fill(block, block.num_slots, min(bs, num_computed - j * bs))
+        table.num_computed = num_computed
+        if not self.enable_caching or (table.num_hashed + 1) * bs > num_computed:
+            return
+        while (table.num_hashed + 1) * bs <= num_computed:
+            start = table.num_hashed * bs
+            chunk = token_ids[start:start + bs]
+            table.last_hash = hash_block(table.last_hash, chunk, table.salt)
+            pool.register(table.blocks[table.num_hashed], table.last_hash, chunk)
+            table.num_hashed += 1
+
+    # -- swapping -----------------------------------------------------------
+    def num_blocks_of(self, seq_ids: list[int]) -> int:
+        """Distinct blocks held by these sequences (what swapping them moves)."""
+        return len({b.block_id for s in seq_ids for b in self.tables[s].blocks})
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to the CPU pool: (device, cpu) pairs."""
+        return self._move(seq_ids, self.device, self.cpu)
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks back to the device: (cpu, device) pairs."""
+        return self._move(seq_ids, self.cpu, self.device)
+
+    def _move(self, seq_ids: list[int], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        if self.num_blocks_of(seq_ids) > dst.num_free_blocks:
+            raise RuntimeError("not enough free blocks to swap")
+        mapping: dict[int, Block] = {}  # a block shared within the group moves once
+        for seq_id in seq_ids:
+            table = self.tables[seq_id]
+            moved = []
+            for block in table.blocks:
+                target = mapping.get(block.block_id)
+                if target is None:
+                    target = mapping[block.block_id] = dst.allocate()
+                    dst.set_fill(target, block.num_slots, block.num_computed)
+                else:
+                    dst.incref(target)
+                moved.append(target)
+            for block in reversed(table.blocks):
+                src.decref(block)
+            table.blocks = moved
+            table.block_ids = [b.block_id for b in moved]
+            table.on_cpu = dst is self.cpu
+        return [(src_id, block.block_id) for src_id, block in mapping.items()]
+
+    def stats(self) -> KVCacheStats:
+        dev, bs = self.device, self.block_size
+        used = dev.num_blocks - dev.num_free_blocks
+        return KVCacheStats(
+            block_size=bs, num_blocks=dev.num_blocks, num_used_blocks=used,
+            num_free_blocks=dev.num_free_blocks, num_cached_free_blocks=dev.num_cached_free_blocks,
+            num_cpu_blocks=self.cpu.num_blocks, num_cpu_used_blocks=self.cpu.num_blocks - self.cpu.num_free_blocks,
+            num_tokens_stored=dev.num_computed_slots,
+            num_reserved_slots=dev.num_used_slots - dev.num_computed_slots,
+            num_internal_frag_slots=used * bs - dev.num_used_slots, num_external_frag_slots=0,
+            num_free_slots=dev.num_free_blocks * bs, usage=used / dev.num_blocks if dev.num_blocks else 0.0)

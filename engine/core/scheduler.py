@@ -1,0 +1,341 @@
+"""Iteration-level FCFS scheduler over the paged KV cache (DESIGN.md §2-3).
+
+Each step: running groups first (decodes and continued prefill chunks, in
+arrival order), then swapped groups back in (oldest first), then new
+admissions from the waiting queue, all under ``max_num_batched_tokens`` and
+``max_num_seqs``. When a running group needs blocks that are not free, the
+latest-arrived running group is preempted whole: swapped to the CPU pool in
+``swap`` mode (when it fits), otherwise recomputed. A step that preempts
+neither swaps in nor admits, so no device block is swapped out and in (or
+freed and refilled by a new prompt) in the same step and memory pressure is
+not immediately re-created.
+
+Recompute of a group with several (diverged) sequences: every sequence goes
+back to WAITING and re-prefills its own full token list; the group is
+admitted all-or-nothing and prefix caching dedupes the shared prompt blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.core.block_pool import Block
+from engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+SWAPPED = SequenceStatus.SWAPPED
+
+Plan = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+
+
+def _pending_forks(group: SequenceGroup) -> int:
+    """Sequences a group of n samples has yet to fork (forks follow the prompt)."""
+    return max(0, group.params.n - len(group.seqs))
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv: KVCacheStats
+    num_preemptions: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    prefix_cache_queries: int  # in tokens, like vLLM's counters
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_device_blocks is None:
+            raise ValueError("num_device_blocks must be resolved before the scheduler is built")
+        self.config = config
+        self.kv = KVCacheManager(config.num_device_blocks, config.num_cpu_blocks or 0,
+                                 config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
+        self.swapped: deque[SequenceGroup] = deque()  # oldest first
+        self._groups: dict[str, SequenceGroup] = {}  # every unfinished group
+        self._num_running_seqs = 0
+        self._num_pending_forks = 0  # seats running groups keep for their n samples
+        self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+
+    # -- requests ------------------------------------------------------------
+    def add_group(self, group: SequenceGroup) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"duplicate request id {group.request_id!r}")
+        if len(group.seqs) != 1 or group.seqs[0].status is not WAITING:
+            raise ValueError("a new group must hold exactly one WAITING sequence")
+        if not group.seqs[0].token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self._groups[group.request_id] = group
+        self.waiting.append(group)
+
+    def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
+        """Abort groups in any state; their blocks return to the pools."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = []
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            for seq in group.unfinished_seqs():
+                self.finish_seq(group, seq, SequenceStatus.FINISHED_ABORTED)
+            aborted.append(group)
+        return aborted
+
+    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks (parallel sampling)."""
+        if group.request_id not in self.running or parent.status is not RUNNING:
+            raise ValueError("can only fork a running sequence of a running group")
+        self.kv.fork(parent.seq_id, child.seq_id)
+        if len(group.seqs) < group.params.n:
+            self._num_pending_forks -= 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RUNNING
+        group.seqs.append(child)
+        self._num_running_seqs += 1
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.is_finished:
+            return
+        if seq.status is RUNNING:
+            self._num_running_seqs -= 1
+        self.kv.free(seq.seq_id)
+        seq.status = status
+        if group.is_finished:
+            self._remove(group)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        if self.running.pop(group.request_id, None) is not None:
+            self._num_pending_forks -= _pending_forks(group)
+        else:
+            for queue in (self.waiting, self.swapped):
+                if group in queue:
+                    queue.remove(group)
+
+    # -- the step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """The forward pass wrote K/V for every scheduled token."""
+        mark_computed = self.kv.mark_computed
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not RUNNING:  # finished or aborted meanwhile
+                continue
+            seq.num_computed_tokens = done = s.start + s.num_new_tokens
+            mark_computed(seq.seq_id, done, seq.token_ids)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv
+        for group in list(self.running.values()):
+            if budget <= 0 or group.request_id not in self.running:
+                break  # a preempted victim: every later group went before it
+            seqs = group.seqs if len(group.seqs) == 1 else group.seqs_with(RUNNING)
+            plan, num_tokens = self._plan(seqs, budget)
+            if not plan:
+                continue
+            if kv.device.num_free_blocks < kv.max_new_blocks(num_tokens, len(plan)):  # tight: count exactly
+                need = kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
+                if need > kv.device.num_free_blocks and not self._make_room(group, need, out):
+                    break
+            self._commit(group, plan, out)
+            budget -= num_tokens
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            seqs = group.seqs_with(SWAPPED)
+            plan, num_tokens = self._plan(seqs, budget)
+            seq_ids = [s.seq_id for s in seqs]
+            need = self.kv.num_blocks_of(seq_ids) + self.kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
+            if need > self.kv.device.num_blocks:
+                self._fail(self.swapped.popleft(), f"needs {need} KV blocks, the pool has {self.kv.device.num_blocks}", out)
+                continue
+            seats = self._num_running_seqs + self._num_pending_forks + len(seqs) + _pending_forks(group)
+            if not plan or need > self.kv.num_free_blocks or seats > self.config.max_num_seqs:
+                break
+            self.swapped.popleft()
+            mapping = self.kv.swap_in(seq_ids)
+            out.blocks_to_swap_in.extend(mapping)
+            self.num_swapped_in_blocks += len(mapping)
+            self._set_running(group, seqs)
+            self._commit(group, plan, out)
+            budget -= num_tokens
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.config.block_size
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            error = self._admission_error(group)
+            if error is not None:
+                self._fail(self.waiting.popleft(), error, out)
+                continue
+            seqs = group.seqs_with(WAITING)
+            seats = self._num_running_seqs + self._num_pending_forks + self._seq_demand(group)
+            if seats > self.config.max_num_seqs:
+                break
+            requests, plan, left = [], [], budget
+            for seq in seqs:
+                hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
+                num_new = self._chunk(seq.num_tokens - len(hits) * bs, left)
+                requests.append((hits, len(hits) * bs + num_new))
+                plan.append((seq, num_new))
+                left -= num_new
+            if plan[0][1] == 0 or self.kv.num_blocks_to_admit(requests) > self.kv.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self._admit(group, seqs, [hits for hits, _ in requests])
+            self._commit(group, [(s, n) for s, n in plan if n], out)
+            budget = left
+
+    # -- helpers -------------------------------------------------------------
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a ``remaining``-token prefill that fit this step (0: none)."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _plan(self, seqs: list[Sequence], budget: int) -> tuple[Plan, int]:
+        """Each sequence's share of ``budget`` (in order), and their sum."""
+        plan = []
+        total = 0
+        for seq in seqs:
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
+            if num_new <= 0:
+                break
+            plan.append((seq, num_new))
+            total += num_new
+        return plan, total
+
+    def _make_room(self, group: SequenceGroup, need: int, out: SchedulerOutput) -> bool:
+        """Preempt latest-arrived groups until ``need`` blocks are free; False if ``group`` itself went."""
+        while need > self.kv.num_free_blocks:
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        return True
+
+    def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> None:
+        kv = self.kv
+        scheduled = out.scheduled
+        for seq, num_new in plan:
+            copy = kv.append(seq.seq_id, num_new)
+            if copy is not None:
+                out.blocks_to_copy.append(copy)
+            start = seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(group, seq, start, num_new, kv.block_ids(seq.seq_id),
+                                          start + num_new == len(seq.token_ids)))
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        del self.running[group.request_id]
+        seqs = group.seqs_with(RUNNING)
+        self._num_running_seqs -= len(seqs)
+        self._num_pending_forks -= _pending_forks(group)
+        seq_ids = [s.seq_id for s in seqs]
+        if self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.cpu.num_free_blocks:
+            mapping = self.kv.swap_out(seq_ids)
+            out.blocks_to_swap_out.extend(mapping)
+            self.num_swapped_out_blocks += len(mapping)
+            for seq in seqs:
+                seq.status = SWAPPED
+            self.swapped.appendleft(group)  # victims go latest first, so this keeps arrival order
+        else:
+            for seq in seqs:
+                self.kv.free(seq.seq_id)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(group)  # it arrived before everything waiting
+        group.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(group)
+
+    def _admit(self, group: SequenceGroup, seqs: list[Sequence], hits: list[list[Block]]) -> None:
+        # Take every hit first so allocating one sequence's new blocks cannot evict another's hit.
+        for seq, seq_hits in zip(seqs, hits):
+            self.kv.admit(seq.seq_id, seq_hits, group.cache_salt, seq.num_tokens)
+            seq.num_computed_tokens = len(seq_hits) * self.config.block_size
+        if group.metrics.num_preemptions == 0:
+            group.num_cached_tokens = seqs[0].num_computed_tokens
+        self._set_running(group, seqs)
+
+    def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.status = RUNNING
+        self.running[group.request_id] = group
+        self._num_running_seqs += len(seqs)
+        self._num_pending_forks += _pending_forks(group)
+
+    def _seq_demand(self, group: SequenceGroup) -> int:
+        """Seats a waiting group needs: its unfinished sequences and those it will fork."""
+        return len(group.unfinished_seqs()) + _pending_forks(group)
+
+    def _admission_error(self, group: SequenceGroup) -> str | None:
+        cfg = self.config
+        seqs = group.unfinished_seqs()
+        longest = max(s.num_tokens for s in seqs)
+        if cfg.max_model_len is not None and longest > cfg.max_model_len:
+            return f"{longest} tokens exceed max_model_len={cfg.max_model_len}"
+        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
+            return (f"prompt of {longest} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens} "
+                    "and chunked prefill is disabled")
+        blocks = sum(-(-s.num_tokens // cfg.block_size) for s in seqs)
+        if blocks > self.kv.device.num_blocks:
+            return f"needs {blocks} KV blocks, the pool has {self.kv.device.num_blocks}"
+        if self._seq_demand(group) > cfg.max_num_seqs:
+            return f"n={self._seq_demand(group)} exceeds max_num_seqs={cfg.max_num_seqs}"
+        return None
+
+    def _fail(self, group: SequenceGroup, error: str, out: SchedulerOutput) -> None:
+        group.error = error
+        for seq in group.unfinished_seqs():
+            self.kv.free(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED_ERROR
+        self._groups.pop(group.request_id, None)
+        out.failed.append(group)
+
+    # -- introspection -------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            kv=self.kv.stats(), num_preemptions=self.num_preemptions,
+            num_swapped_out_blocks=self.num_swapped_out_blocks, num_swapped_in_blocks=self.num_swapped_in_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits)

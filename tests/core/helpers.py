@@ -1,0 +1,102 @@
+"""Builders and independent checks shared by the core tests."""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceGroup
+
+_seq_ids = itertools.count()
+
+
+def make_seq(token_ids: list[int], num_prompt_tokens: int | None = None) -> Sequence:
+    tokens = list(token_ids)
+    return Sequence(next(_seq_ids), tokens, len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
+
+
+def make_group(request_id: str, prompt: list[int], arrival: float = 0.0, n: int = 1,
+               salt: bytes | None = None) -> SequenceGroup:
+    return SequenceGroup(request_id, [make_seq(prompt)], SamplingParams(n=n), arrival, cache_salt=salt)
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    fields = dict(num_device_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+    fields.update(overrides)
+    return Scheduler(EngineConfig(**fields))
+
+
+def fork_child(sched: Scheduler, group: SequenceGroup, parent: Sequence) -> Sequence:
+    child = Sequence(next(_seq_ids), list(parent.token_ids), parent.num_prompt_tokens, index=len(group.seqs))
+    sched.fork(group, parent, child)
+    return child
+
+
+def sample_token(seq: Sequence) -> int:
+    """A deterministic 'sampled' token that differs between sequences."""
+    return (seq.seq_id * 7 + seq.num_tokens) % 50
+
+
+def run_step(sched: Scheduler, memory: KVMemory | None = None) -> SchedulerOutput:
+    """One engine step: schedule, (simulated) forward pass, finish_step, sample."""
+    out = sched.schedule()
+    if memory is not None:
+        memory.execute(out, sched.config.block_size)
+    sched.finish_step(out)
+    for s in out.scheduled:
+        if s.do_sample:
+            s.seq.append_token(sample_token(s.seq))
+    return out
+
+
+class KVMemory:
+    """A model of the device and CPU KV pools: what token each slot holds.
+
+    Executes a SchedulerOutput in the runner's order (swap-out, swap-in,
+    copies, forward writes) so tests can check that every sequence's table
+    really points at its own tokens."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, dict[int, int]] = {}
+        self.cpu: dict[int, dict[int, int]] = {}
+
+    def execute(self, out: SchedulerOutput, block_size: int) -> None:
+        for dev, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = dict(self.device.get(dev, {}))
+        for cpu, dev in out.blocks_to_swap_in:
+            self.device[dev] = dict(self.cpu.get(cpu, {}))
+        for src, dst in out.blocks_to_copy:
+            self.device[dst] = dict(self.device.get(src, {}))
+        for s in out.scheduled:
+            for pos in range(s.start, s.start + s.num_new_tokens):
+                block = s.block_table[pos // block_size]
+                self.device.setdefault(block, {})[pos % block_size] = s.seq.token_ids[pos]
+
+    def tokens_of(self, block_ids: list[int], num_tokens: int, block_size: int, on_cpu: bool) -> list[int | None]:
+        pool = self.cpu if on_cpu else self.device
+        return [pool.get(block_ids[i // block_size], {}).get(i % block_size) for i in range(num_tokens)]
+
+
+def check_kv_invariants(kv: KVCacheManager) -> None:
+    """Block accounting, checked against the tables (not the pool's counters)."""
+    for pool, on_cpu in ((kv.device, False), (kv.cpu, True)):
+        refs = Counter(b.block_id for t in kv.tables.values() if t.on_cpu == on_cpu for b in t.blocks)
+        free = set(pool.free_block_ids())
+        assert len(free) == pool.num_free_blocks
+        assert not free & set(refs), "a block is both free and mapped"
+        assert len(free) + len(refs) == pool.num_blocks, "free + used != total"
+        for block in pool.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), f"ref count of block {block.block_id}"
+    bs = kv.block_size
+    for table in kv.tables.values():
+        assert table.block_ids == [b.block_id for b in table.blocks]
+        assert len(table.blocks) == -(-table.num_slots // bs)
+    stats = kv.stats()
+    assert (stats.num_tokens_stored + stats.num_reserved_slots + stats.num_internal_frag_slots
+            + stats.num_free_slots == stats.num_blocks * bs)
+    stored = {b.block_id: b.num_computed for t in kv.tables.values() if not t.on_cpu for b in t.blocks}
+    assert stats.num_tokens_stored == sum(stored.values())

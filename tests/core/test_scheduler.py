@@ -1,0 +1,264 @@
+import pytest
+
+from engine.sequence import SequenceStatus
+
+from .helpers import KVMemory, check_kv_invariants, fork_child, make_group, make_scheduler, run_step
+
+
+def _shape(out) -> list[tuple[str, int, int, bool]]:
+    return [(s.group.request_id, s.start, s.num_new_tokens, s.do_sample) for s in out.scheduled]
+
+
+def _check_contents(sched, memory: KVMemory) -> None:
+    """Every running/swapped sequence's table points at its own computed tokens."""
+    bs = sched.config.block_size
+    for group in list(sched.running.values()) + list(sched.swapped):
+        for seq in group.unfinished_seqs():
+            table = sched.kv.tables[seq.seq_id]
+            got = memory.tokens_of(table.block_ids, seq.num_computed_tokens, bs, table.on_cpu)
+            assert got == seq.token_ids[:seq.num_computed_tokens], f"seq {seq.seq_id}"
+
+
+def test_chunked_prefill_splits_a_long_prompt_under_the_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_group(make_group("a", list(range(20))))
+    shapes = [_shape(run_step(sched)) for _ in range(4)]
+    assert shapes == [[("a", 0, 8, False)], [("a", 8, 8, False)], [("a", 16, 4, True)], [("a", 20, 1, True)]]
+
+
+def test_block_table_covers_exactly_the_scheduled_tokens():
+    sched = make_scheduler(max_num_batched_tokens=12)
+    sched.add_group(make_group("a", list(range(20))))
+    out = sched.schedule()
+    assert out.scheduled[0].block_table == [0, 1]  # 12 tokens, block size 8
+
+
+def test_running_groups_go_before_new_admissions_and_share_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    sched.add_group(make_group("a", list(range(6)), arrival=0))
+    sched.add_group(make_group("b", list(range(100, 106)), arrival=1))
+    assert _shape(run_step(sched)) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    sched.add_group(make_group("c", list(range(200, 203)), arrival=2))
+    assert _shape(run_step(sched)) == [("a", 6, 1, True), ("b", 4, 2, True), ("c", 0, 3, True)]
+    assert out_tokens(sched) == {"a": 8, "b": 7, "c": 4}
+
+
+def out_tokens(sched) -> dict[str, int]:
+    return {g.request_id: g.seqs[0].num_tokens for g in sched.running.values()}
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    sched.add_group(make_group("a", list(range(6))))
+    sched.add_group(make_group("b", list(range(100, 106))))
+    assert _shape(run_step(sched)) == [("a", 0, 6, True)]
+    assert _shape(run_step(sched)) == [("a", 6, 1, True), ("b", 0, 6, True)]
+
+
+@pytest.mark.parametrize("overrides, prompt_len, reason", [
+    (dict(max_model_len=8), 9, "max_model_len=8"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=8), 9, "chunked prefill is disabled"),
+    (dict(num_device_blocks=2), 17, "needs 3 KV blocks"),
+])
+def test_unservable_requests_fail_clearly_without_wedging_the_queue(overrides, prompt_len, reason):
+    sched = make_scheduler(**overrides)
+    bad, good = make_group("bad", list(range(prompt_len))), make_group("good", [1, 2, 3])
+    sched.add_group(bad)
+    sched.add_group(good)
+    out = run_step(sched)
+    assert out.failed == [bad] and reason in bad.error
+    assert bad.seqs[0].status is SequenceStatus.FINISHED_ERROR
+    assert _shape(out) == [("good", 0, 3, True)]
+    assert sched.stats().kv.num_used_blocks == 1
+
+
+def test_max_num_seqs_counts_the_n_samples_of_a_request():
+    sched = make_scheduler(max_num_seqs=3)
+    sched.add_group(make_group("a", [1, 2], n=2))
+    sched.add_group(make_group("b", [3, 4], n=2))
+    sched.add_group(make_group("c", [5, 6]))
+    assert [s[0] for s in _shape(run_step(sched))] == ["a"]  # b needs 2 more seqs, c waits behind it (FCFS)
+    with pytest.raises(ValueError):
+        sched.add_group(make_group("a", [1]))
+
+
+def test_duplicate_and_malformed_groups_are_rejected():
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="at least one token"):
+        sched.add_group(make_group("x", []))
+    g = make_group("y", [1])
+    g.seqs[0].status = SequenceStatus.RUNNING
+    with pytest.raises(ValueError, match="WAITING"):
+        sched.add_group(g)
+
+
+def _fill_decoding(sched, n_groups: int, prompt_len: int, memory: KVMemory) -> list:
+    groups = [make_group(f"r{i}", [i * 10 + t for t in range(prompt_len)], arrival=i) for i in range(n_groups)]
+    for g in groups:
+        sched.add_group(g)
+    run_step(sched, memory)
+    return groups
+
+
+@pytest.mark.parametrize("caching, r2_start", [(False, 0), (True, 8)])
+def test_recompute_preemption_evicts_the_latest_arrival_first(caching, r2_start):
+    # 3 groups of 8-token prompts need a second block at their first decode; 5 blocks in all.
+    sched = make_scheduler(num_device_blocks=5, enable_prefix_caching=caching)
+    memory = KVMemory()
+    groups = _fill_decoding(sched, 3, 8, memory)
+    out = run_step(sched, memory)
+    assert out.preempted == [groups[2]]
+    assert [s[0] for s in _shape(out)] == ["r0", "r1"]
+    assert sched.waiting[0] is groups[2] and groups[2].seqs[0].status is SequenceStatus.WAITING
+    assert groups[2].seqs[0].num_computed_tokens == 0 and groups[2].metrics.num_preemptions == 1
+    assert sched.stats().num_preemptions == 1 and sched.stats().kv.num_free_blocks == 1
+    check_kv_invariants(sched.kv)
+    # Once r0 finishes, r2 is re-prefilled: its prompt and its sampled token
+    # (the full first block comes from the prefix cache when caching is on).
+    sched.finish_seq(groups[0], groups[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
+    out = run_step(sched, memory)
+    assert _shape(out) == [("r1", 9, 1, True), ("r2", r2_start, 9 - r2_start, True)]
+    _check_contents(sched, memory)
+
+
+def test_latest_arrival_preempts_itself_and_earlier_groups_keep_running():
+    sched = make_scheduler(num_device_blocks=5, enable_prefix_caching=False)
+    groups = _fill_decoding(sched, 3, 8, KVMemory())
+    sched.finish_seq(groups[0], groups[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
+    sched.add_group(make_group("new", list(range(40, 48)), arrival=9))  # 1 block, admitted now
+    out = run_step(sched)
+    assert [s[0] for s in _shape(out)] == ["r1", "r2", "new"] and sched.stats().kv.num_free_blocks == 0
+    out = run_step(sched)  # "new" needs a 2nd block: the latest arrival preempts itself
+    assert out.preempted == [sched.waiting[0]] and sched.waiting[0].request_id == "new"
+    assert [s[0] for s in _shape(out)] == ["r1", "r2"]
+
+
+def test_swap_preemption_moves_the_victim_to_cpu_and_back_before_admissions():
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=5, preemption_mode="swap")
+    memory = KVMemory()
+    groups = _fill_decoding(sched, 3, 8, memory)
+    victim_table = sched.kv.block_ids(groups[2].seqs[0].seq_id)
+    out = run_step(sched, memory)
+    assert out.preempted == [groups[2]] and [d for d, _ in out.blocks_to_swap_out] == victim_table
+    cpu_ids = [c for _, c in out.blocks_to_swap_out]
+    assert groups[2].seqs[0].status is SequenceStatus.SWAPPED and sched.num_swapped == 1
+    assert sched.stats().kv.num_cpu_used_blocks == 1 and sched.stats().num_swapped_out_blocks == 1
+    _check_contents(sched, memory)
+    # No room to swap r2 back in (it needs 2 blocks, 1 is free): "late" must not jump ahead.
+    sched.add_group(make_group("late", [7, 7, 7], arrival=5))
+    out = run_step(sched, memory)
+    assert [s[0] for s in _shape(out)] == ["r0", "r1"] and not out.blocks_to_swap_in
+    assert sched.num_waiting == 1
+    sched.finish_seq(groups[0], groups[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
+    out = run_step(sched, memory)
+    assert [c for c, _ in out.blocks_to_swap_in] == cpu_ids
+    assert _shape(out) == [("r1", 10, 1, True), ("r2", 8, 1, True), ("late", 0, 3, True)]
+    assert sched.stats().num_swapped_in_blocks == 1 and sched.stats().kv.num_cpu_used_blocks == 0
+    _check_contents(sched, memory)
+
+
+def test_abort_frees_every_block_in_every_state():
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=5, preemption_mode="swap")
+    groups = _fill_decoding(sched, 3, 4, KVMemory())
+    run_step(sched)  # r2 swapped
+    sched.add_group(make_group("w", [1, 2, 3]))  # waiting
+    fork_child(sched, groups[0], groups[0].seqs[0])
+    aborted = sched.abort(["r0", "r1", "r2", "w", "unknown"])
+    assert [g.request_id for g in aborted] == ["r0", "r1", "r2", "w"]
+    assert all(s.status is SequenceStatus.FINISHED_ABORTED for g in aborted for s in g.seqs)
+    stats = sched.stats()
+    assert stats.kv.num_used_blocks == 0 and stats.kv.num_cpu_used_blocks == 0
+    assert not sched.has_unfinished() and (sched.num_running, sched.num_waiting, sched.num_swapped) == (0, 0, 0)
+    check_kv_invariants(sched.kv)
+    assert sched.schedule().is_empty
+
+
+def test_abort_between_schedule_and_finish_step_is_safe():
+    sched = make_scheduler()
+    sched.add_group(make_group("a", [1, 2, 3]))
+    out = sched.schedule()
+    sched.abort("a")
+    sched.finish_step(out)
+    assert sched.stats().kv.num_used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_fork_then_decode_emits_one_copy_on_write():
+    sched = make_scheduler()
+    memory = KVMemory()
+    group = make_group("a", list(range(6)), n=2)
+    sched.add_group(group)
+    run_step(sched, memory)
+    parent = group.seqs[0]
+    child = fork_child(sched, group, parent)
+    child.token_ids[-1] = 42  # the child sampled a different token
+    shared = sched.kv.block_ids(parent.seq_id)
+    out = run_step(sched, memory)
+    assert out.blocks_to_copy == [(shared[0], out.scheduled[0].block_table[0])]
+    assert out.scheduled[1].block_table == shared
+    _check_contents(sched, memory)
+    check_kv_invariants(sched.kv)
+
+
+def test_finished_group_leaves_and_returns_its_blocks():
+    sched = make_scheduler()
+    group = make_group("a", list(range(5)), n=2)
+    sched.add_group(group)
+    run_step(sched)
+    child = fork_child(sched, group, group.seqs[0])
+    sched.finish_seq(group, group.seqs[0], SequenceStatus.FINISHED_LENGTH)
+    assert sched.num_running == 1
+    sched.finish_seq(group, child, SequenceStatus.FINISHED_STOPPED)
+    assert sched.num_running == 0 and not sched.has_unfinished()
+    assert sched.stats().kv.num_used_blocks == 0
+    with pytest.raises(ValueError):
+        sched.finish_seq(group, child, SequenceStatus.RUNNING)
+
+
+def test_prefix_cache_hit_skips_cached_blocks_and_is_counted():
+    sched = make_scheduler()
+    prompt = list(range(10))
+    first = make_group("a", prompt)
+    sched.add_group(first)
+    run_step(sched)
+    second = make_group("b", prompt[:9] + [77])
+    sched.add_group(second)
+    out = run_step(sched)
+    assert _shape(out)[1] == ("b", 8, 2, True)
+    assert out.scheduled[1].block_table[0] == out.scheduled[0].block_table[0]
+    assert second.num_cached_tokens == 8
+    stats = sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20, 8)
+
+
+def test_prefix_cache_respects_the_tenant_salt():
+    sched = make_scheduler()
+    sched.add_group(make_group("a", list(range(10)), salt=b"t1"))
+    run_step(sched)
+    sched.add_group(make_group("b", list(range(10)), salt=b"t2"))
+    assert _shape(run_step(sched))[1] == ("b", 0, 10, True)
+
+
+@pytest.mark.parametrize("caching, start", [(False, 0), (True, 8)])
+def test_recomputed_forked_group_reprefills_each_sequence(caching, start):
+    sched = make_scheduler(num_device_blocks=4, enable_prefix_caching=caching)
+    memory = KVMemory()
+    b = make_group("b", list(range(100, 108)), arrival=0)
+    a = make_group("a", list(range(6)), arrival=1, n=2)
+    sched.add_group(b)
+    sched.add_group(a)
+    run_step(sched, memory)
+    child = fork_child(sched, a, a.seqs[0])
+    child.token_ids[-1] = 42  # the siblings diverge
+    for _ in range(5):
+        out = run_step(sched, memory)
+        _check_contents(sched, memory)
+        if out.preempted:
+            break
+    assert out.preempted == [a] and sched.waiting[0] is a
+    assert all(s.status is SequenceStatus.WAITING and s.num_computed_tokens == 0 for s in a.seqs)
+    sched.finish_seq(b, b.seqs[0], SequenceStatus.FINISHED_STOPPED)
+    out = run_step(sched, memory)
+    assert [(s.seq, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        (a.seqs[0], start, 9 - start), (child, start, 9 - start)]
+    _check_contents(sched, memory)
+    check_kv_invariants(sched.kv)
