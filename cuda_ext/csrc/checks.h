@@ -1,0 +1,98 @@
+// Argument checks shared by the CPU and CUDA implementations, so both reject
+// bad input with the same messages. KV layout: see cuda_ext/README.md.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+namespace pagedserve {
+
+// [num_blocks, num_kv_heads, block_size, head_size]; any stride(0) (the
+// engine passes per-layer views of one all-layer tensor), inner dims dense.
+inline void check_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, num_kv_heads, block_size, head_size], got ",
+              key_cache.sizes());
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(), " and value_cache ",
+              value_cache.sizes(), " differ in shape");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache and value_cache differ in dtype");
+  for (const at::Tensor* c : {&key_cache, &value_cache}) {
+    const int64_t d = c->size(3), bs = c->size(2);
+    TORCH_CHECK(c->stride(3) == 1 && c->stride(2) == d && c->stride(1) == bs * d,
+                "kv cache views must be contiguous in [num_kv_heads, block_size, head_size]; got strides ",
+                c->strides());
+  }
+}
+
+// [tokens, heads, head_size] with a dense last dim; rows and heads may be strided
+// (e.g. q/k/v sliced out of a fused qkv projection).
+inline void check_tokens(const at::Tensor& t, const char* name, int64_t head_size) {
+  TORCH_CHECK(t.dim() == 3, name, " must be [num_tokens, num_heads, head_size], got ", t.sizes());
+  TORCH_CHECK(t.size(2) == head_size, name, " head_size ", t.size(2), " != cache head_size ", head_size);
+  TORCH_CHECK(t.stride(2) == 1, name, " must be contiguous in its last dim");
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device() == b.device(), what, ": tensors on ", a.device(), " and ", b.device());
+}
+
+inline void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cache(key_cache, value_cache);
+  const int64_t d = key_cache.size(3);
+  check_tokens(key, "key", d);
+  check_tokens(value, "value", d);
+  TORCH_CHECK(key.sizes() == value.sizes(), "key ", key.sizes(), " and value ", value.sizes(), " differ in shape");
+  TORCH_CHECK(key.size(1) == key_cache.size(1), "key has ", key.size(1), " heads, cache has ", key_cache.size(1));
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "key/value dtype must match the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [num_tokens=", key.size(0), "]");
+  check_same_device(key, key_cache, "reshape_and_cache");
+  check_same_device(slot_mapping, key_cache, "reshape_and_cache slot_mapping");
+}
+
+inline void check_paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  check_cache(key_cache, value_cache);
+  const int64_t d = key_cache.size(3);
+  check_tokens(query, "query", d);
+  check_tokens(out, "out", d);
+  TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have the query's shape ", query.sizes());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == key_cache.scalar_type(),
+              "query/out dtype must match the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "num query heads ", query.size(1),
+              " must be a multiple of num kv heads ", key_cache.size(1));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 [num_seqs, max_blocks] with a dense last dim");
+  const int64_t b = block_tables.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == b && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32 [num_seqs=", b, "]");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == b + 1 &&
+                  query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
+              "query_start_loc must be contiguous int32 [num_seqs + 1=", b + 1, "]");
+  for (const at::Tensor* t : {&out, &query, &block_tables, &seq_lens, &query_start_loc})
+    check_same_device(*t, key_cache, "paged_attention");
+}
+
+// Whole block rows [num_blocks, ...] move as one dense chunk each.
+inline int64_t block_row_numel(const at::Tensor& pool, const char* name) {
+  TORCH_CHECK(pool.dim() >= 1 && pool.size(0) > 0, name, " must have a leading num_blocks dim");
+  TORCH_CHECK(pool[0].is_contiguous() && pool.stride(0) == pool[0].numel(), name,
+              " must be contiguous (one dense row per block)");
+  return pool[0].numel();
+}
+
+inline void check_block_mapping(const at::Tensor& mapping) {
+  TORCH_CHECK(mapping.dim() == 2 && mapping.size(1) == 2 && mapping.scalar_type() == at::kLong,
+              "block_mapping must be int64 [num_pairs, 2] of (src, dst)");
+}
+
+// Host-side (src, dst) pairs, validated before any copy starts.
+inline void check_mapping_range(const int64_t* m, int64_t pairs, int64_t src_rows, int64_t dst_rows) {
+  for (int64_t i = 0; i < pairs; ++i)
+    TORCH_CHECK(m[2 * i] >= 0 && m[2 * i] < src_rows && m[2 * i + 1] >= 0 && m[2 * i + 1] < dst_rows,
+                "block_mapping row ", i, " (", m[2 * i], ", ", m[2 * i + 1], ") out of range");
+}
+
+}  // namespace pagedserve

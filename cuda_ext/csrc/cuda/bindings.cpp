@@ -1,0 +1,110 @@
+// Torch-facing side of the CUDA ops: checks, device guard, current stream, and
+// registration under the CUDA dispatch key. Only c10 core headers, so it also
+// compiles against a CPU-only torch (the nvcc check syntax-checks it).
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "launch.h"
+
+namespace pagedserve {
+namespace {
+
+cudaStream_t current_stream(const at::Device& device) {
+  return static_cast<cudaStream_t>(
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle());
+}
+
+cuda::Dtype dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return cuda::Dtype::f32;
+    case at::kHalf: return cuda::Dtype::f16;
+    case at::kBFloat16: return cuda::Dtype::bf16;
+    default: TORCH_CHECK(false, "CUDA pagedserve ops support float32, float16 and bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_cuda(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, " failed: ", cudaGetErrorString(err));
+}
+
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  if (key.size(0) == 0) return;
+  const c10::DeviceGuard guard(key.device());
+  const auto slots = slot_mapping.contiguous();
+  const cuda::CacheWriteArgs args{key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                  slots.data_ptr<int64_t>(), key.size(0), key.stride(0), key.stride(1),
+                                  value.stride(0), value.stride(1), key_cache.stride(0), value_cache.stride(0),
+                                  static_cast<int>(key.size(1)), static_cast<int>(key_cache.size(2)),
+                                  static_cast<int>(key.size(2))};
+  check_cuda(cuda::reshape_and_cache(args, dtype_of(key), current_stream(key.device())), "reshape_and_cache");
+}
+
+void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
+                          double scale) {
+  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  const int64_t d = key_cache.size(3);
+  TORCH_CHECK(d == 64 || d == 80 || d == 96 || d == 128 || d == 256, "paged_attention: unsupported head_size ", d,
+              " (64, 80, 96, 128, 256)");
+  const c10::DeviceGuard guard(query.device());
+  const cuda::AttentionArgs args{
+      out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+      out.stride(0), out.stride(1), query.stride(0), query.stride(1), key_cache.stride(0), value_cache.stride(0),
+      block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
+      static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(d),
+      static_cast<int>(key_cache.size(2)), static_cast<float>(scale)};
+  check_cuda(cuda::paged_attention(args, dtype_of(query), current_stream(query.device())), "paged_attention");
+}
+
+void copy_blocks_cuda(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
+  check_block_mapping(block_mapping);
+  const int64_t row_bytes = block_row_numel(kv_cache, "kv_cache") * kv_cache.element_size();
+  if (block_mapping.size(0) == 0) return;
+  if (block_mapping.is_cpu())  // a device mapping is trusted: checking it would sync
+    check_mapping_range(block_mapping.contiguous().data_ptr<int64_t>(), block_mapping.size(0), kv_cache.size(0),
+                        kv_cache.size(0));
+  const c10::DeviceGuard guard(kv_cache.device());
+  const auto mapping = block_mapping.to(kv_cache.device(), /*non_blocking=*/true).contiguous();
+  check_cuda(cuda::copy_blocks(kv_cache.data_ptr(), mapping.data_ptr<int64_t>(), mapping.size(0), row_bytes,
+                               current_stream(kv_cache.device())),
+             "copy_blocks");
+}
+
+// Device <-> host block rows as async copies on the current stream, ordered with
+// the model's kernels; a pinned host pool keeps them truly asynchronous.
+void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  check_block_mapping(block_mapping);
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src and dst differ in dtype");
+  const int64_t row_bytes = block_row_numel(src, "src") * src.element_size();
+  TORCH_CHECK(row_bytes == block_row_numel(dst, "dst") * dst.element_size(),
+              "swap_blocks: src and dst block rows differ in size");
+  const auto mapping = block_mapping.to(at::kCPU).contiguous();
+  const int64_t* m = mapping.data_ptr<int64_t>();
+  const at::Device device = src.is_cuda() ? src.device() : dst.device();
+  const c10::DeviceGuard guard(device);
+  const cudaStream_t stream = current_stream(device);
+  check_mapping_range(m, mapping.size(0), src.size(0), dst.size(0));
+  for (int64_t i = 0; i < mapping.size(0); ++i)
+    check_cuda(cudaMemcpyAsync(static_cast<char*>(dst.data_ptr()) + m[2 * i + 1] * row_bytes,
+                               static_cast<const char*>(src.data_ptr()) + m[2 * i] * row_bytes, row_bytes,
+                               cudaMemcpyDefault, stream),
+               "swap_blocks");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_cuda);
+  m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("copy_blocks", &copy_blocks_cuda);
+  m.impl("swap_blocks", &swap_blocks_cuda);
+}
+
+}  // namespace pagedserve

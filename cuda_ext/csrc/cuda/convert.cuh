@@ -1,0 +1,34 @@
+// fp32 <-> storage dtype conversions used by every kernel.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "launch.h"
+
+namespace pagedserve::cuda {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+// Calls fn(T{}) with the storage type of dtype.
+template <typename Fn>
+cudaError_t with_dtype(Dtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case Dtype::f32: return fn(float{});
+    case Dtype::f16: return fn(__half{});
+    case Dtype::bf16: return fn(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace pagedserve::cuda

@@ -1,0 +1,40 @@
+// Plain-C++ interface between the torch bindings (bindings.cpp) and the CUDA
+// kernels (*.cu): raw pointers, strides in elements, the stream to launch on.
+// The .cu files include no torch header, so nvcc compiles them anywhere.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace pagedserve::cuda {
+
+enum class Dtype { f32, f16, bf16 };
+
+struct CacheWriteArgs {
+  const void* key;
+  const void* value;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;
+  int64_t num_tokens, key_stride_t, key_stride_h, value_stride_t, value_stride_h, k_stride_b, v_stride_b;
+  int heads, block_size, head_size;
+};
+
+struct AttentionArgs {
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t out_stride_t, out_stride_h, q_stride_t, q_stride_h, k_stride_b, v_stride_b, table_stride;
+  int num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+};
+
+cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
+cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream);
+
+}  // namespace pagedserve::cuda

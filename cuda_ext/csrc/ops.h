@@ -1,0 +1,15 @@
+// Per-device implementations of the pagedserve ops (schemas in registration.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace pagedserve {
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale);
+void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+}  // namespace pagedserve

@@ -1,0 +1,21 @@
+// Op schemas of the `pagedserve` namespace and their CPU kernels. The CUDA
+// kernels register under the same names in csrc/cuda/*.cu when built.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale) -> ()");
+  m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("reshape_and_cache", &pagedserve::reshape_and_cache_cpu);
+  m.impl("paged_attention", &pagedserve::paged_attention_cpu);
+  m.impl("copy_blocks", &pagedserve::copy_blocks_cpu);
+  m.impl("swap_blocks", &pagedserve::swap_blocks_cpu);
+}

@@ -1,0 +1,44 @@
+"""The four KV-cache ops behind one object, compiled or pure-torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cuda_ext import reference
+
+
+@dataclass(slots=True, frozen=True)
+class KernelOps:
+    """reshape_and_cache, paged_attention, copy_blocks, swap_blocks (signatures in cuda_ext.reference)."""
+
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., None]
+    copy_blocks: Callable[..., None]
+    swap_blocks: Callable[..., None]
+
+
+def load_ops(backend: str = "ext") -> KernelOps:
+    """"ext": the compiled torch.ops.pagedserve ops (built on first use); "torch": the reference."""
+    if backend == "torch":
+        module = reference
+    elif backend == "ext":
+        from cuda_ext.build import build  # imported here: `python -m cuda_ext.build` runs it as __main__
+
+        build()
+        module = torch.ops.pagedserve
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}: expected 'ext' or 'torch'")
+    return KernelOps(
+        reshape_and_cache=module.reshape_and_cache,
+        paged_attention=module.paged_attention,
+        copy_blocks=module.copy_blocks,
+        swap_blocks=module.swap_blocks,
+    )
+
+
+def is_built() -> bool:
+    """True once the compiled ops are loaded into this process."""
+    return hasattr(torch.ops.pagedserve, "paged_attention")

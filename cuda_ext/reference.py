@@ -1,0 +1,80 @@
+"""Pure-torch reference of every pagedserve op: the tests' ground truth and the
+`attention_backend="torch"` fallback. Same signatures as the compiled ops.
+
+KV layout (see cuda_ext/README.md): key_cache / value_cache are
+[num_blocks, num_kv_heads, block_size, head_size] (possibly strided views of one
+all-layer tensor); slot s = block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's K/V ([T, Hkv, D]) into slot slot_mapping[t]; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = key_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets] = key[keep]
+    value_cache[blocks, :, offsets] = value[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's cache as a dense [Hkv, seq_len, D]."""
+    num_blocks = -(-seq_len // cache.shape[2])
+    blocks = cache[block_table[:num_blocks].long()]  # [n, Hkv, bs, D]
+    return blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> None:
+    """Causal attention of each sequence's query rows over its paged context, into out.
+
+    Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context
+    is seq_lens[b] tokens including those rows, so row i sits at position
+    seq_lens[b] - q_len + i and sees positions [0, that position]. fp32 math.
+    """
+    group = query.shape[1] // key_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        k = gather_kv(key_cache, block_tables[b], seq_len).repeat_interleave(group, dim=0).float()
+        v = gather_kv(value_cache, block_tables[b], seq_len).repeat_interleave(group, dim=0).float()
+        q = query[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
+        scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
+        positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
+        future = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out[q0:q1] = (probs @ v).transpose(0, 1).to(out.dtype)
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """kv_cache[dst] = kv_cache[src] for each (src, dst) row: whole blocks, all layers."""
+    mapping = block_mapping.to(kv_cache.device)
+    kv_cache[mapping[:, 1]] = kv_cache[mapping[:, 0]]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """dst[m[i, 1]] = src[m[i, 0]], across devices (device <-> CPU pool)."""
+    rows = src[block_mapping[:, 0].to(src.device)]
+    dst[block_mapping[:, 1].to(dst.device)] = rows.to(dst.device)
