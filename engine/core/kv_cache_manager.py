@@ -9,9 +9,13 @@ and whole-sequence swap between the pools.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.core.block_pool import Block, BlockPool
 from engine.core.prefix_hash import ROOT_HASH, hash_block
+
+if TYPE_CHECKING:
+    from engine.core.kv_manager import Admission, SeqSize
 
 
 @dataclass(slots=True)
@@ -19,8 +23,9 @@ class KVCacheStats:
     """One snapshot; slot counts are in tokens (block_size slots per block).
 
     Device slots partition exactly: tokens_stored + reserved + internal_frag
-    + free_slots == num_blocks * block_size (external fragmentation is 0 for
-    the paged allocator; the field is kept for the contiguous baselines)."""
+    + external_frag + free_slots == num_blocks * block_size. External
+    fragmentation is 0 for the paged allocator (any free block serves any
+    request); see contiguous_kv_cache_manager for the baselines' definitions."""
 
     block_size: int
     num_blocks: int
@@ -35,6 +40,12 @@ class KVCacheStats:
     num_external_frag_slots: int
     num_free_slots: int
     usage: float  # used blocks / num_blocks
+
+    @property
+    def token_utilization(self) -> float:
+        """Share of the taken KV memory (used blocks) holding tokens: bytes of K/V over bytes taken."""
+        taken = self.num_used_blocks * self.block_size
+        return self.num_tokens_stored / taken if taken else 0.0
 
 
 @dataclass(slots=True)
@@ -68,8 +79,16 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of which served from the cache
 
     @property
+    def num_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.device.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free_blocks
 
     def block_ids(self, seq_id: int) -> list[int]:
         return list(self.tables[seq_id].block_ids)
@@ -102,8 +121,20 @@ class KVCacheManager:
             revived.update(b.block_id for b in hits if b.ref_count == 0)
         return new + len(revived)
 
-    def admit(self, seq_id: int, hits: list[Block], salt: bytes | None, num_query_tokens: int) -> None:
-        """New table holding the prefix-cache hits (call ``append`` next)."""
+    def admission_error(self, sizes: list[SeqSize]) -> str | None:
+        """Why these sequences could never be admitted together, if so."""
+        blocks = sum(_cdiv(size.num_tokens, self.block_size) for size in sizes)
+        if blocks > self.device.num_blocks:
+            return f"needs {blocks} KV blocks, the pool has {self.device.num_blocks}"
+        return None
+
+    def can_admit(self, requests: list[Admission]) -> bool:
+        return self.num_blocks_to_admit([(hits, n) for hits, n, _ in requests]) <= self.device.num_free_blocks
+
+    def admit(self, seq_id: int, hits: list[Block], salt: bytes | None, num_query_tokens: int,
+              size: SeqSize | None = None) -> None:
+        """New table holding the prefix-cache hits (call ``append`` next).
+        ``size`` is for contiguous allocators: paged blocks come on demand."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         for block in hits:
@@ -116,15 +147,10 @@ class KVCacheManager:
         self.prefix_cache_hits += num_cached
 
     # -- the three primitives ----------------------------------------------
-    def max_new_blocks(self, num_tokens: int, num_seqs: int) -> int:
-        """Upper bound of ``num_new_blocks`` for ``num_tokens`` new tokens over
-        ``num_seqs`` sequences: per sequence one spilled block plus one copy."""
-        return num_tokens // self.block_size + 2 * num_seqs
-
-    def max_new_blocks(self, num_tokens: int, num_seqs: int) -> int:
-        """Cheap upper bound of ``num_new_blocks`` for ``num_tokens`` new tokens
-        over ``num_seqs`` sequences: per sequence one spilled block and one copy."""
-        return num_tokens // self.block_size + 2 * num_seqs
+    def surely_has_room(self, num_tokens: int, num_seqs: int) -> bool:
+        """Cheap sufficient test that ``num_new_blocks`` for ``num_tokens`` new tokens over
+        ``num_seqs`` sequences is free: per sequence at most one spilled block and one copy."""
+        return num_tokens // self.block_size + 2 * num_seqs <= self.device.num_free_blocks
 
     def num_new_blocks(self, requests: list[tuple[int, int]]) -> int:
         """Exact device blocks that ``append`` of each (seq_id, num_new_tokens)

@@ -1,4 +1,9 @@
-"""Iteration-level FCFS scheduler over the paged KV cache (DESIGN.md §2-3).
+"""Iteration-level FCFS scheduler over the KV cache (DESIGN.md §2-3).
+
+The KV manager is the paged one or, for the paper's baselines, a contiguous
+one (``EngineConfig.kv_allocator``): the same policy runs on both; a
+contiguous manager reserves everything at admission, so its running groups
+never need blocks and are never preempted.
 
 Each step: running groups first (decodes and continued prefill chunks, in
 arrival order), then swapped groups back in (oldest first), then new
@@ -21,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.core.block_pool import Block
-from engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from engine.core.kv_cache_manager import KVCacheStats
+from engine.core.kv_manager import Admission, SeqSize, make_kv_manager
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -56,8 +61,7 @@ class Scheduler:
         if config.num_device_blocks is None:
             raise ValueError("num_device_blocks must be resolved before the scheduler is built")
         self.config = config
-        self.kv = KVCacheManager(config.num_device_blocks, config.num_cpu_blocks or 0,
-                                 config.block_size, config.enable_prefix_caching)
+        self.kv = make_kv_manager(config)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
         self.swapped: deque[SequenceGroup] = deque()  # oldest first
@@ -76,6 +80,9 @@ class Scheduler:
             raise ValueError("a new group must hold exactly one WAITING sequence")
         if not group.seqs[0].token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if group.params.n > 1 and self.config.kv_allocator != "paged":
+            raise ValueError(f"parallel sampling (n={group.params.n}) shares KV blocks: it needs "
+                             f"kv_allocator='paged', not {self.config.kv_allocator!r}")
         self._groups[group.request_id] = group
         self.waiting.append(group)
 
@@ -155,9 +162,9 @@ class Scheduler:
             plan, num_tokens = self._plan(seqs, budget)
             if not plan:
                 continue
-            if kv.device.num_free_blocks < kv.max_new_blocks(num_tokens, len(plan)):  # tight: count exactly
+            if not kv.surely_has_room(num_tokens, len(plan)):  # tight: count exactly
                 need = kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
-                if need > kv.device.num_free_blocks and not self._make_room(group, need, out):
+                if need > kv.num_free_blocks and not self._make_room(group, need, out):
                     break
             self._commit(group, plan, out)
             budget -= num_tokens
@@ -170,8 +177,8 @@ class Scheduler:
             plan, num_tokens = self._plan(seqs, budget)
             seq_ids = [s.seq_id for s in seqs]
             need = self.kv.num_blocks_of(seq_ids) + self.kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
-            if need > self.kv.device.num_blocks:
-                self._fail(self.swapped.popleft(), f"needs {need} KV blocks, the pool has {self.kv.device.num_blocks}", out)
+            if need > self.kv.num_blocks:
+                self._fail(self.swapped.popleft(), f"needs {need} KV blocks, the pool has {self.kv.num_blocks}", out)
                 continue
             seats = self._num_running_seqs + self._num_pending_forks + len(seqs) + _pending_forks(group)
             if not plan or need > self.kv.num_free_blocks or seats > self.config.max_num_seqs:
@@ -201,13 +208,13 @@ class Scheduler:
             for seq in seqs:
                 hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
                 num_new = self._chunk(seq.num_tokens - len(hits) * bs, left)
-                requests.append((hits, len(hits) * bs + num_new))
+                requests.append((hits, len(hits) * bs + num_new, self._size(group, seq)))
                 plan.append((seq, num_new))
                 left -= num_new
-            if plan[0][1] == 0 or self.kv.num_blocks_to_admit(requests) > self.kv.num_free_blocks:
+            if plan[0][1] == 0 or not self.kv.can_admit(requests):
                 break
             self.waiting.popleft()
-            self._admit(group, seqs, [hits for hits, _ in requests])
+            self._admit(group, seqs, requests)
             self._commit(group, [(s, n) for s, n in plan if n], out)
             budget = left
 
@@ -257,7 +264,7 @@ class Scheduler:
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
-        if self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.cpu.num_free_blocks:
+        if self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
             out.blocks_to_swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)
@@ -273,10 +280,10 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(group)
 
-    def _admit(self, group: SequenceGroup, seqs: list[Sequence], hits: list[list[Block]]) -> None:
+    def _admit(self, group: SequenceGroup, seqs: list[Sequence], requests: list[Admission]) -> None:
         # Take every hit first so allocating one sequence's new blocks cannot evict another's hit.
-        for seq, seq_hits in zip(seqs, hits):
-            self.kv.admit(seq.seq_id, seq_hits, group.cache_salt, seq.num_tokens)
+        for seq, (seq_hits, _, size) in zip(seqs, requests):
+            self.kv.admit(seq.seq_id, seq_hits, group.cache_salt, seq.num_tokens, size)
             seq.num_computed_tokens = len(seq_hits) * self.config.block_size
         if group.metrics.num_preemptions == 0:
             group.num_cached_tokens = seqs[0].num_computed_tokens
@@ -302,12 +309,19 @@ class Scheduler:
         if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
             return (f"prompt of {longest} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens} "
                     "and chunked prefill is disabled")
-        blocks = sum(-(-s.num_tokens // cfg.block_size) for s in seqs)
-        if blocks > self.kv.device.num_blocks:
-            return f"needs {blocks} KV blocks, the pool has {self.kv.device.num_blocks}"
+        error = self.kv.admission_error([self._size(group, s) for s in seqs])
+        if error is not None:
+            return error
         if self._seq_demand(group) > cfg.max_num_seqs:
             return f"n={self._seq_demand(group)} exceeds max_num_seqs={cfg.max_num_seqs}"
         return None
+
+    def _size(self, group: SequenceGroup, seq: Sequence) -> SeqSize:
+        max_tokens, limit = group.params.max_tokens, self.config.max_model_len
+        max_len = limit if max_tokens is None else seq.num_prompt_tokens + max_tokens
+        if max_len is not None and limit is not None:
+            max_len = min(max_len, limit)
+        return SeqSize(seq.num_tokens, seq.num_prompt_tokens, max_len)
 
     def _fail(self, group: SequenceGroup, error: str, out: SchedulerOutput) -> None:
         group.error = error

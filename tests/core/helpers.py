@@ -96,7 +96,18 @@ def check_kv_invariants(kv: KVCacheManager) -> None:
         assert table.block_ids == [b.block_id for b in table.blocks]
         assert len(table.blocks) == -(-table.num_slots // bs)
     stats = kv.stats()
+    assert stats.num_external_frag_slots == 0  # any free block serves any request
     assert (stats.num_tokens_stored + stats.num_reserved_slots + stats.num_internal_frag_slots
             + stats.num_free_slots == stats.num_blocks * bs)
     stored = {b.block_id: b.num_computed for t in kv.tables.values() if not t.on_cpu for b in t.blocks}
     assert stats.num_tokens_stored == sum(stored.values())
+
+
+def arena_decomposition(num_blocks: int) -> list[tuple[int, int]]:
+    """A buddy arena's initial free runs, (start, size): its size in binary, largest first."""
+    runs, start = [], 0
+    for k in range(num_blocks.bit_length() - 1, -1, -1):
+        if num_blocks >> k & 1:
+            runs.append((start, 1 << k))
+            start += 1 << k
+    return runs

@@ -1,0 +1,48 @@
+"""Paged attention layer: writes the step's K/V into the pool, then attends over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cuda_ext import KernelOps
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The flattened step, as the paged ops want it (built once per step by the runner)."""
+
+    slot_mapping: torch.Tensor     # [T] int64, -1 = do not store
+    block_tables: torch.Tensor     # [B, max_blocks] int32
+    seq_lens: torch.Tensor         # [B] int32, context including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class PagedAttention(nn.Module):
+    """Stateless but for its cache views, which the model runner binds once."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.ops: KernelOps | None = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind(self, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.ops, self.k_cache, self.v_cache = ops, k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        if self.k_cache is None:
+            raise RuntimeError("PagedAttention used before the model runner bound its KV cache")
+        self.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        self.ops.paged_attention(out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
+        return out.view(q.shape[0], -1)

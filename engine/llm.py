@@ -1,0 +1,107 @@
+"""Offline batch inference: ``LLM(model).generate(prompts)`` (vLLM-shaped)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs an ``LLMEngine`` to completion over a list of prompts.
+
+    ``skip_tokenizer_init=True`` serves checkpoints without tokenizer files:
+    prompts must then be token ids and outputs carry no text.
+    """
+
+    def __init__(self, model: str | None = None, skip_tokenizer_init: bool = False, **config) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer  # heavy import, only when text is wanted
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.model_path)
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        token_lists, texts = self._prompts(prompts, prompt_token_ids)
+        params = _broadcast(sampling_params, len(token_lists))
+        ids = [str(next(self._request_ids)) for _ in token_lists]
+        try:
+            for request_id, tokens, p in zip(ids, token_lists, params):
+                self.engine.add_request(request_id, tokens, p)
+        except ValueError:
+            self.engine.abort_request(ids)  # all or nothing: drop the prompts already queued
+            raise
+        finished = self._run(set(ids), use_tqdm)
+        results = [finished[i] for i in ids]
+        for result, text in zip(results, texts):
+            result.prompt = text
+            self._decode(result)
+        return results
+
+    def _prompts(self, prompts: str | list[str] | None, prompt_token_ids: list[list[int]] | None
+                 ) -> tuple[list[list[int]], list[str | None]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts and prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [list(t) for t in prompt_token_ids], [None] * len(prompt_token_ids)
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (LLM was built with skip_tokenizer_init=True)")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return [self.tokenizer(t).input_ids for t in texts], texts
+
+    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Steps until every request finished, merging the incremental outputs."""
+        merged: dict[str, RequestOutput] = {}
+        with tqdm(total=len(pending), desc="Generating", unit="req",
+                  disable=not (use_tqdm and self.engine.config.show_progress)) as bar:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+                for out in self.engine.step():
+                    _merge(merged, out)
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return merged
+
+    def _decode(self, result: RequestOutput) -> None:
+        result.outputs.sort(key=lambda c: c.index)
+        if self.tokenizer is not None:
+            for c in result.outputs:
+                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
+    whole = merged.setdefault(out.request_id, RequestOutput(out.request_id, out.prompt_token_ids, []))
+    whole.finished, whole.error, whole.metrics = out.finished, out.error, out.metrics
+    whole.num_cached_tokens = out.num_cached_tokens
+    by_index = {c.index: c for c in whole.outputs}
+    for delta in out.outputs:
+        c = by_index.get(delta.index)
+        if c is None:
+            c = CompletionOutput(delta.index, [], logprobs=[] if delta.logprobs is not None else None)
+            whole.outputs.append(c)
+        c.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            c.logprobs += delta.logprobs
+        c.cumulative_logprob, c.finish_reason = delta.cumulative_logprob, delta.finish_reason
+
+
+def _broadcast(params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params

@@ -1,0 +1,85 @@
+"""Checkpoint folder -> engine model: safetensors tensors copied straight into the (fused) layers."""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from engine.layers.linear import FusedLinear
+from engine.models import model_class
+from engine.models.config import ModelConfig
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = True) -> nn.Module:
+    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
+    cls = model_class(cfg.architecture)
+    files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model folder {cfg.path!r}")
+    with torch.device("meta"):
+        model = cls(cfg, device, dtype)
+    model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    loaded = _load_files(model, files, show_progress)
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    model.lm_head.finalize()
+    return model.eval()
+
+
+def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[str]:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = _target_name(name, params, packed)
+                    if target is not None:
+                        _copy_weight(target, f.get_tensor(name), params, modules, name)
+                        loaded.add(target[0])
+                    bar.update(1)
+    return loaded
+
+
+def _count_tensors(files: list[str]) -> int:
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:  # reads only the header
+            total += len(f.keys())
+    return total
+
+
+def _target_name(name: str, params: dict, packed: dict) -> tuple[str, int | None] | None:
+    """Checkpoint name -> (parameter name, shard index or None); None = not ours (e.g. rotary buffers)."""
+    for candidate in (name, "model." + name):
+        for part, (fused, shard) in packed.items():
+            fused_name = candidate.replace(f".{part}.", f".{fused}.")
+            if fused_name != candidate and fused_name in params:
+                return fused_name, shard
+        if candidate in params:
+            return candidate, None
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
+
+
+def _copy_weight(target: tuple[str, int | None], tensor: torch.Tensor, params: dict, modules: dict, src: str) -> None:
+    param_name, shard = target
+    dest = params[param_name].data
+    if shard is not None:
+        module: FusedLinear = modules[param_name.rsplit(".", 1)[0]]
+        start, size = module.shard_offset(shard)
+        dest = dest.narrow(0, start, size)
+    if dest.shape != tensor.shape:
+        raise ValueError(f"shape mismatch for {src!r}: checkpoint has {tuple(tensor.shape)}, "
+                         f"model expects {tuple(dest.shape)} (does config.json match the weights?)")
+    dest.copy_(tensor)

@@ -1,0 +1,85 @@
+"""What the engine needs to know about a checkpoint, read from its ``config.json``."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    dtype: torch.dtype  # the checkpoint's own dtype
+    eos_token_ids: list[int]
+    hf: dict  # the raw config.json, for family-specific fields
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """Parse ``path/config.json``; clear errors for a missing or odd folder."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
+    with open(config_file) as f:
+        hf = json.load(f)
+    archs = hf.get("architectures") or []
+    if len(archs) != 1:
+        raise ValueError(f"{config_file}: expected exactly one entry in 'architectures', got {archs}")
+    num_heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    return ModelConfig(
+        path=path,
+        architecture=archs[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
+        eos_token_ids=_eos_ids(path, hf),
+        hf=hf,
+    )
+
+
+def _eos_ids(path: str, hf: dict) -> list[int]:
+    """Union of config.json's and generation_config.json's eos ids (checkpoints disagree)."""
+    ids = _as_list(hf.get("eos_token_id"))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            ids += _as_list(json.load(f).get("eos_token_id"))
+    return sorted(set(ids))
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
+    """``auto`` = the checkpoint's dtype, but bf16 instead of fp16 on CPU (fp16 matmuls are slow there)."""
+    if name == "auto":
+        if checkpoint_dtype == torch.float16 and device == "cpu":
+            return torch.bfloat16
+        return checkpoint_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]

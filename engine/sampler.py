@@ -1,0 +1,139 @@
+"""Next-token selection for a batch of sequences, vectorised over the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Penalties -> min_tokens mask -> temperature -> top-k / top-p / min-p -> sample.
+
+    Random rows draw ``argmax(p / E)`` with ``E ~ Exp(1)`` noise (equivalent to
+    sampling from ``p``). A seeded row gets its noise from a generator seeded by
+    (seed, choice index, output position), so its tokens do not depend on the
+    rest of the batch or on preemption. Logprobs are of the raw model
+    distribution, before any processing (vLLM's default).
+    """
+
+    def __init__(self, eos_token_ids: set[int], seed: int, device: torch.device | str = "cpu") -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SamplerOutput:
+        raw = logits
+        logits = self._penalize(logits, seqs, params)
+        logits = self._mask_early_stops(logits, seqs, params)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, params)
+        return SamplerOutput(tokens.tolist(), _logprobs(raw, tokens, params))
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params)
+                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+        if not rows:
+            return logits
+        logits, dev = logits.clone(), logits.device
+        counts = _token_counts([seqs[i].output_token_ids for i in rows], logits.shape[1]).to(dev)
+        prompts = [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in rows]
+        in_prompt = _token_counts(prompts, logits.shape[1]).to(dev) > 0
+        sub = logits[rows]
+        rep = _column([params[i].repetition_penalty for i in rows], dev)
+        seen = in_prompt | (counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = _column([params[i].frequency_penalty for i in rows], dev)
+        pres = _column([params[i].presence_penalty for i in rows], dev)
+        logits[rows] = sub - freq * counts - pres * (counts > 0).float()
+        return logits
+
+    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        """Below min_tokens, eos (unless ignore_eos) and stop_token_ids cannot be drawn."""
+        early = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for i in early:
+            banned = params[i].stop_token_ids + ([] if params[i].ignore_eos else self.eos_token_ids)
+            logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        dev = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temps = _column([1.0 if p.greedy else p.temperature for p in params], dev)
+        probs = _filter(logits / temps, params).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None:  # drawn on CPU so a seed means the same tokens on any device
+                g = torch.Generator().manual_seed(_seed_key(p.seed, s.index, s.num_output_tokens))
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(dev)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p in one sort, only when some row asks for them."""
+    if all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    top_k = _column([p.top_k if p.top_k != -1 else vocab for p in params], dev)
+    top_p = _column([p.top_p for p in params], dev)
+    min_p = _column([p.min_p for p in params], dev)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+    outside_p = (probs.cumsum(dim=-1) - probs) >= top_p
+    below_min = probs < min_p * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(outside_p | below_min, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device).unsqueeze(1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1)
+    if width:
+        # Pad with an extra "vocab" column that is dropped afterwards.
+        padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.int64)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape))
+    return counts[:, :vocab]
+
+
+def _seed_key(seed: int, index: int, position: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position) & _MASK64
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not wanted:
+        return result
+    lp = raw[wanted].log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in wanted)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    for row, i in enumerate(wanted):
+        n = params[i].logprobs
+        entry = dict(zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))
+        entry[int(tokens[i])] = chosen[row]
+        result[i] = entry
+    return result

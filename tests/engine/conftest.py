@@ -1,0 +1,101 @@
+"""Tiny random-weight Hugging Face checkpoints, built once per session, and HF reference outputs."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 300
+MAX_NEW_TOKENS = 20
+# head_dim 64: the compiled attention kernels support head sizes 64..256.
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+              max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+              # Wider than HF's 0.02 default so logits are peaked and fp32 argmax ties are unlikely.
+              initializer_range=0.3)
+
+ARCH_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                              rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                              tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4}, num_key_value_heads=2,
+                                              intermediate_size=256, head_dim=64,
+                                              tie_word_embeddings=False),
+    "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
+    # opt-350m's shape: post-norm layers and projected embeddings.
+    "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,
+                                                   do_layer_norm_before=False),
+}
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    hf_model: transformers.PreTrainedModel
+
+
+def build_checkpoint(arch: str, folder, shard: bool = False) -> Checkpoint:
+    torch.manual_seed(0)
+    config = ARCH_CONFIGS[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    # Sharded for one family so multi-file loading is covered.
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="100KB" if shard else "1GB")
+    return Checkpoint(str(folder), model)
+
+
+@pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))
+def checkpoint(request, tmp_path_factory) -> Checkpoint:
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), shard=request.param == "llama")
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory) -> Checkpoint:
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama-single"))
+
+
+def mixed_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (1..70 tokens); half share a 40-token prefix so prefix caching has something to hit."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, VOCAB) for _ in range(40)]
+    prompts = []
+    for i in range(count):
+        own = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))]
+        prompts.append(shared + own if i % 2 else own + [rng.randrange(1, VOCAB) for _ in range(rng.randint(0, 40))])
+    return prompts
+
+
+@torch.inference_mode()
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """Reference: HF generate on one unpadded prompt at a time."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(checkpoint) -> list[list[int]]:
+    return [hf_greedy(checkpoint.hf_model, p, MAX_NEW_TOKENS) for p in mixed_prompts()]
+
+
+def backends() -> list:
+    """The reference backend always; the compiled one when its build works here."""
+    return ["torch", pytest.param("ext", marks=pytest.mark.skipif(not _ext_available(), reason="ext ops do not build"))]
+
+
+_EXT_OK: list[bool] = []
+
+
+def _ext_available() -> bool:
+    if not _EXT_OK:
+        try:
+            import cuda_ext
+            cuda_ext.load_ops("ext")
+            _EXT_OK.append(True)
+        except Exception:  # no compiler or a build error: the "torch" runs still cover the engine
+            _EXT_OK.append(False)
+    return _EXT_OK[0]

@@ -1,0 +1,220 @@
+"""LLMEngine's request contract, the demo checkpoint, and loader errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.demo_model import ensure_demo_model
+
+from .conftest import hf_greedy, mixed_prompts
+
+STATS_KEYS = {
+    "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+    "num_blocks_total", "num_blocks_free", "num_blocks_cached", "kv_tokens_stored", "kv_reserved_slots",
+    "kv_internal_frag_slots", "kv_external_frag_slots", "kv_free_slots", "num_preemptions_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total",
+    "num_swapped_out_blocks_total", "num_swapped_in_blocks_total",
+}
+
+
+def make_engine(path: str, **overrides) -> LLMEngine:
+    config = dict(attention_backend="torch", dtype="float32", num_device_blocks=64, show_progress=False,
+                  max_model_len=128)
+    return LLMEngine(EngineConfig(model=path, **(config | overrides)))
+
+
+def run_to_end(engine: LLMEngine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    ([], 4, "empty"),
+    ([1, 2, 300], 4, r"\[0, 300\)"),
+    ([-1], 4, r"\[0, 300\)"),
+    ([1] * 120, 10, r"max_model_len\) is 128 tokens; the prompt has 120 tokens and 10 more"),
+    ([1] * 128, None, "max_model_len"),
+])
+def test_add_request_rejects_bad_input(llama_checkpoint, prompt, max_tokens, match):
+    engine = make_engine(llama_checkpoint.path)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("a", prompt, SamplingParams(max_tokens=max_tokens))
+    assert not engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_rejected(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path)
+    engine.add_request("a", [1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [3], SamplingParams())
+
+
+def test_abort_frees_blocks_and_reports(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path)
+    for i, prompt in enumerate(mixed_prompts(3)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    used = engine.stats()["num_blocks_used"]
+    engine.abort_request("r1")
+    assert engine.stats()["num_blocks_used"] < used
+    aborted = [o for o in engine.step() if o.request_id == "r1"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    rest = run_to_end(engine)
+    assert "r1" not in {o.request_id for o in rest}
+    assert {o.request_id for o in rest if o.finished} == {"r0", "r2"}
+    stats = engine.stats()
+    assert STATS_KEYS <= set(stats)
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_incremental_outputs_add_up(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path, enable_prefix_caching=False)
+    prompt = mixed_prompts(1)[0]
+    engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    deltas = [o for o in run_to_end(engine)]
+    assert all(len(o.outputs[0].token_ids) == 1 for o in deltas)  # one new token per decode step
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == hf_greedy(llama_checkpoint.hf_model, prompt, 12)
+    assert [o.finished for o in deltas] == [False] * 11 + [True]
+    assert deltas[-1].outputs[0].finish_reason == "length"
+    metrics = deltas[-1].metrics
+    assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
+
+
+def test_request_that_can_never_fit_fails_alone(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path, num_device_blocks=3)
+    engine.add_request("big", [1] * 60, SamplingParams(max_tokens=4))  # needs 4 blocks of 16
+    engine.add_request("small", [1] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    outputs = run_to_end(engine)
+    big = [o for o in outputs if o.request_id == "big"]
+    assert len(big) == 1 and big[0].finished and big[0].outputs[0].finish_reason == "error" and big[0].error
+    assert [o for o in outputs if o.request_id == "small"][-1].outputs[0].finish_reason == "length"
+
+
+def test_failing_batch_fails_its_requests_not_the_engine(llama_checkpoint, monkeypatch):
+    engine = make_engine(llama_checkpoint.path)
+    engine.add_request("doomed", [1, 2, 3], SamplingParams(max_tokens=4))
+
+    def boom(out):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(engine.runner, "execute", boom)
+    (failed,) = engine.step()
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and "kernel exploded" in failed.error
+    monkeypatch.undo()
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    engine.add_request("fine", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert run_to_end(engine)[-1].outputs[0].finish_reason == "length"
+
+
+def test_has_capacity_tracks_queue(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path, max_num_seqs=2)
+    assert engine.has_capacity()
+    for i in range(3):
+        engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    assert not engine.has_capacity()
+    run_to_end(engine)
+    assert engine.has_capacity()
+
+
+def test_kv_pool_sized_from_bytes(llama_checkpoint):
+    engine = make_engine(llama_checkpoint.path, num_device_blocks=None, kv_cache_memory_bytes=1 << 20,
+                         swap_space_bytes=1 << 19)
+    # Per block: 2 layers x (K, V) x 1 kv head x 16 slots x 64 dims x 4 bytes = 16 KiB.
+    assert engine.config.num_device_blocks == 64 and engine.config.num_cpu_blocks == 32
+
+
+# ---- the demo checkpoint -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory) -> str:
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))
+
+
+def test_demo_model_is_a_real_hf_checkpoint(demo_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_DEMO_MODEL_DIR", demo_path)
+    llm = LLM(attention_backend="torch", num_device_blocks=64, show_progress=False)  # no model: the demo one
+    assert llm.engine.model_path == demo_path
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert chat == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    prompts = [chat, "héllo wörld", "The quick brown fox"]
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, result in zip(prompts, out):
+        ids = tokenizer(prompt).input_ids
+        assert result.prompt_token_ids == ids and result.prompt == prompt
+        assert result.outputs[0].token_ids == hf_greedy(hf_model, ids, 10)
+        assert result.outputs[0].text == tokenizer.decode(result.outputs[0].token_ids, skip_special_tokens=True)
+    assert llm.engine.eos_token_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_demo_model_written_once(demo_path):
+    before = os.path.getmtime(os.path.join(demo_path, "model.safetensors"))
+    assert ensure_demo_model(demo_path) == demo_path
+    assert os.path.getmtime(os.path.join(demo_path, "model.safetensors")) == before
+
+
+# ---- loader errors -----------------------------------------------------------------
+@pytest.fixture
+def broken_copy(demo_path, tmp_path) -> str:
+    path = str(tmp_path / "model")
+    shutil.copytree(demo_path, path)
+    return path
+
+
+def edit_config(path: str, **changes) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config | changes, f)
+
+
+def test_unsupported_architecture(broken_copy):
+    edit_config(broken_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        make_engine(broken_copy)
+
+
+def test_missing_files(broken_copy, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        make_engine(str(tmp_path / "nowhere"))
+    os.remove(os.path.join(broken_copy, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        make_engine(broken_copy)
+
+
+def test_shape_mismatch(broken_copy):
+    edit_config(broken_copy, intermediate_size=512)
+    with pytest.raises(ValueError, match=r"shape mismatch for 'model.layers.\d+.mlp.\w+_proj.weight': checkpoint has"):
+        make_engine(broken_copy)
+
+
+def test_missing_weight(broken_copy):
+    file = os.path.join(broken_copy, "model.safetensors")
+    weights = load_file(file)
+    del weights["model.norm.weight"]
+    save_file(weights, file)
+    with pytest.raises(ValueError, match="lacks weights for: model.norm.weight"):
+        make_engine(broken_copy)
+
+
+def test_generate_is_all_or_nothing(llama_checkpoint):
+    llm = LLM(llama_checkpoint.path, skip_tokenizer_init=True, attention_backend="torch", num_device_blocks=64,
+              max_model_len=128, show_progress=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompt_token_ids=[[1, 2], [1] * 200], sampling_params=SamplingParams(max_tokens=4))
+    llm.engine.step()  # emits the aborts
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4
