@@ -1,0 +1,179 @@
+"""Drive the real Scheduler and KV allocator over a trace in simulated time.
+
+Nothing here models memory: every admission, block, run, fork and
+fragmentation figure comes from the engine's own ``Scheduler`` and KV manager.
+Only the forward pass is replaced: each step costs a fixed ``step_time_s``
+(taken from a measured real forward pass) and "samples" arbitrary tokens, so
+a memory-bound serving run of thousands of requests takes seconds. Requests
+use ``ignore_eos`` semantics: each generates exactly ``max_tokens`` tokens.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    arrival: float  # seconds from the start of the run
+    prompt: list[int]
+    max_tokens: int  # the true output length (ignore_eos)
+    n: int = 1
+
+
+@dataclass(slots=True)
+class MemoryMeter:
+    """Sums of per-step KV figures, in token slots (one sample per forward pass)."""
+
+    steps: int = 0
+    saturated_steps: int = 0  # steps at which requests were waiting: memory is the bottleneck
+    batch_sum: int = 0  # running requests, over saturated steps
+    peak_batch: int = 0
+    slots: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("stored", "reserved", "internal", "external", "free"), 0))
+    track_sharing: bool = False  # count unshared blocks too (costs a pass over every block table)
+    used_blocks: int = 0  # with sharing, over every step
+    unshared_blocks: int = 0  # what the same block tables would take without sharing
+
+    def observe(self, sched: Scheduler) -> bool:
+        """Sample the KV state during this step's forward pass; True if requests wait."""
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, sched.num_running)
+        if self.track_sharing:
+            self.used_blocks += sched.kv.stats().num_used_blocks
+            self.unshared_blocks += sum(len(ids) for ids in _block_tables(sched))
+        if not sched.num_waiting:
+            return False
+        kv = sched.kv.stats()
+        self.saturated_steps += 1
+        self.batch_sum += sched.num_running
+        for key, value in (("stored", kv.num_tokens_stored), ("reserved", kv.num_reserved_slots),
+                           ("internal", kv.num_internal_frag_slots), ("external", kv.num_external_frag_slots),
+                           ("free", kv.num_free_slots)):
+            self.slots[key] += value
+        return True
+
+    def breakdown(self) -> dict[str, float]:
+        """Shares of the taken (non-free) KV memory, averaged over saturated steps."""
+        taken = sum(v for k, v in self.slots.items() if k != "free")
+        return {k: v / taken for k, v in self.slots.items() if k != "free"} if taken else {}
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_sum / self.saturated_steps if self.saturated_steps else 0.0
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of blocks that sharing saves: 1 - used / unshared."""
+        return 1 - self.used_blocks / self.unshared_blocks if self.unshared_blocks else 0.0
+
+
+def _block_tables(sched: Scheduler) -> list[list[int]]:
+    return [sched.kv.block_ids(s.seq_id) for g in sched.running.values() for s in g.seqs_with(SequenceStatus.RUNNING)]
+
+
+@dataclass(slots=True)
+class SimResult:
+    num_requests: int
+    num_failed: int
+    duration_s: float
+    num_steps: int
+    normalized_latency_s: float  # mean over requests of e2e latency / output tokens
+    throughput_rps: float  # over the whole run
+    saturated_rps: float  # completions per second while requests wait: the rate it sustains
+    output_tokens_per_s: float
+    mean_batch: float  # running requests per step while requests wait
+    peak_batch: int
+    breakdown: dict[str, float]
+    sharing_saving: float
+
+    @property
+    def sustained_rps(self) -> float:
+        """The saturated rate; when no request ever waited, the whole-run rate (a lower bound)."""
+        return self.saturated_rps or self.throughput_rps
+
+
+class Simulation:
+    def __init__(self, config: EngineConfig, trace: list[TraceRequest], step_time_s: float, seed: int = 0,
+                 track_sharing: bool = False) -> None:
+        self.sched = Scheduler(config)
+        self.pending = deque(sorted(trace, key=lambda r: r.arrival))
+        self.step_time_s = step_time_s
+        self.now = 0.0
+        self.meter = MemoryMeter(track_sharing=track_sharing)
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._latencies: list[float] = []
+        self._output_tokens = 0
+        self._failed = 0
+        self._saturated = False  # whether the current step has requests waiting
+        self._saturated_done = 0  # requests finished in such steps
+
+    def run(self) -> SimResult:
+        num_requests = len(self.pending)
+        while self.pending or self.sched.has_unfinished():
+            self._arrive()
+            if not self.sched.has_unfinished():
+                self.now = self.pending[0].arrival
+                continue
+            self._step()
+        m = self.meter
+        done = len(self._latencies)
+        saturated_s = m.saturated_steps * self.step_time_s
+        return SimResult(
+            num_requests, self._failed, self.now, m.steps,
+            sum(self._latencies) / done if done else float("inf"),
+            done / self.now if self.now else 0.0, self._saturated_done / saturated_s if saturated_s else 0.0,
+            self._output_tokens / self.now if self.now else 0.0,
+            m.mean_batch, m.peak_batch, m.breakdown(), m.sharing_saving)
+
+    def _arrive(self) -> None:
+        while self.pending and self.pending[0].arrival <= self.now:
+            r = self.pending.popleft()
+            params = SamplingParams(n=r.n, max_tokens=r.max_tokens, ignore_eos=True)
+            seq = Sequence(next(self._ids), list(r.prompt), len(r.prompt))
+            self.sched.add_group(SequenceGroup(f"r{seq.seq_id}", [seq], params, r.arrival))
+
+    def _step(self) -> None:
+        out = self.sched.schedule()
+        self._failed += len(out.failed)
+        self._saturated = self.meter.observe(self.sched)
+        self.now += self.step_time_s
+        self.sched.finish_step(out)
+        for s in out.scheduled:
+            if s.do_sample and s.seq.status is SequenceStatus.RUNNING:
+                self._sample(s.group, s.seq)
+
+    def _sample(self, group: SequenceGroup, seq: Sequence) -> None:
+        # Like LLMEngine: n > 1 forks after the prompt, so the n samples share its blocks.
+        seqs = [seq] + (self._fork(group, seq) if len(group.seqs) < group.params.n else [])
+        for s in seqs:
+            s.append_token(self._rng.randrange(32000))
+            if s.num_output_tokens >= group.params.max_tokens:
+                self.sched.finish_seq(group, s, SequenceStatus.FINISHED_LENGTH)
+                self._output_tokens += s.num_output_tokens
+        if group.is_finished:
+            tokens = group.params.max_tokens
+            self._latencies.append((self.now - group.arrival_time) / tokens)
+            self._saturated_done += self._saturated
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(len(group.seqs), group.params.n):
+            child = Sequence(next(self._ids), list(parent.token_ids), parent.num_prompt_tokens, index=index,
+                             status=parent.status, num_computed_tokens=parent.num_computed_tokens)
+            self.sched.fork(group, parent, child)
+            children.append(child)
+        return children
+
+
+def simulate(config: EngineConfig, trace: list[TraceRequest], step_time_s: float, seed: int = 0,
+             track_sharing: bool = False) -> SimResult:
+    return Simulation(config, trace, step_time_s, seed, track_sharing).run()
