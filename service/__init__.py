@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway, Redis-streams broker, engine worker and the pagedserve CLI."""

@@ -1,0 +1,80 @@
+"""Turns an engine's token deltas for one request into text deltas per choice,
+applying stop strings. Transport-agnostic: the gateway feeds it ReplyEvents."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from service.messages import ChoiceDelta
+from service.tokenization import IncrementalDetokenizer, StopStringFilter
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """What one choice adds to the response now."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[list[int | float]]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class _Choice:
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringFilter
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class OutputAssembler:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], n: int,
+                 stop: list[str], include_stop: bool, skip_special_tokens: bool) -> None:
+        self._choices = [
+            _Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens),
+                    StopStringFilter(stop, include_stop))
+            for _ in range(n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self._choices)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self._choices)
+
+    def text(self, index: int) -> str:
+        return self._choices[index].stops.text
+
+    def finish_reason(self, index: int) -> str | None:
+        return self._choices[index].finish_reason
+
+    def apply(self, deltas: list[ChoiceDelta]) -> list[ChoiceUpdate]:
+        """Updates for the choices these deltas touch; choices already ended
+        (e.g. by a stop string while the engine kept going) ignore theirs."""
+        updates = []
+        for delta in deltas:
+            choice = self._choices[delta.index]
+            if choice.finish_reason is None:
+                updates.append(self._advance(delta.index, choice, delta))
+        return updates
+
+    def finish_all(self, reason: str) -> list[ChoiceUpdate]:
+        """Ends every unfinished choice (abort, engine failure)."""
+        return [self._advance(i, c, ChoiceDelta(i, [], None, reason))
+                for i, c in enumerate(self._choices) if c.finish_reason is None]
+
+    def _advance(self, index: int, choice: _Choice, delta: ChoiceDelta) -> ChoiceUpdate:
+        final = delta.finish_reason is not None
+        choice.num_tokens += len(delta.token_ids)
+        new_text = choice.detokenizer.append(delta.token_ids)
+        if final:
+            new_text += choice.detokenizer.flush()
+        text = choice.stops.feed(new_text, final)
+        if choice.stops.stopped:
+            choice.finish_reason = "stop"
+        elif final:
+            choice.finish_reason = delta.finish_reason
+        return ChoiceUpdate(index, text, delta.token_ids, delta.logprobs, choice.finish_reason)

@@ -1,0 +1,331 @@
+"""The ``pagedserve`` command: serve | gateway | worker | demo-model.
+
+Every flag has an environment twin, PAGEDSERVE_<FLAG> (dashes as underscores);
+the flag wins when both are given. Repeatable flags take a comma-separated list
+from the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+
+from service.config import GatewayConfig, RedisConfig, WorkerConfig, served_name
+
+log = logging.getLogger("pagedserve")
+
+_TRUE = {"1", "true", "yes", "on"}
+_REDIS_HELP = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: sudo apt-get install -y "
+               "redis-server; macOS: brew install redis), or run 'pagedserve gateway' and 'pagedserve worker' "
+               "against an existing Redis with --redis-url.")
+
+
+def _env_name(flag: str) -> str:
+    return "PAGEDSERVE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _opt(group: Any, flag: str, help: str, **kwargs: Any) -> None:
+    """Adds a flag whose default comes from its environment twin."""
+    env = _env_name(flag)
+    raw = os.environ.get(env)
+    action = kwargs.get("action")
+    if raw is not None:
+        if action == "store_true":
+            kwargs["default"] = raw.strip().lower() in _TRUE
+        elif action == "append":
+            kwargs["default"] = [v for v in raw.split(",") if v]
+        else:
+            kwargs["default"] = kwargs.get("type", str)(raw)
+    shown = "" if action in ("store_true", "append") or kwargs.get("default") is None else " (default: %(default)s)"
+    group.add_argument(flag, help=f"{help}{shown} [env {env}]", **kwargs)
+
+
+def _redis_flags(parser: argparse.ArgumentParser, with_url: bool = True) -> None:
+    g = parser.add_argument_group("broker")
+    if with_url:
+        _opt(g, "--redis-url", "Redis URL (redis://host:port/db, rediss://, unix:///path.sock)",
+             default="redis://127.0.0.1:6379/0")
+    _opt(g, "--redis-prefix", "key prefix, to share one Redis between deployments", default="pagedserve")
+    _opt(g, "--redis-block-ms", "blocking-read time of the broker loops", type=int, default=1000)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    _opt(g, "--model", "Hugging Face checkpoint folder (default: the built-in demo model, which generates noise)")
+    _opt(g, "--served-model-name", "name clients send as 'model' (default: the folder's name, or pagedserve-demo)")
+    _opt(g, "--max-model-len", "context length (default: the checkpoint's)", type=int)
+
+
+def _gateway_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("gateway")
+    _opt(g, "--host", "address to listen on", default="127.0.0.1")
+    _opt(g, "--port", "HTTP port", type=int, default=8000)
+    _opt(g, "--api-key", "accepted API key, repeatable (Authorization: Bearer <key>); none: no auth",
+         action="append", default=[])
+    _opt(g, "--cors-origin", "allowed CORS origin, repeatable ('*' for any)", action="append", default=[])
+    _opt(g, "--max-body-bytes", "request body limit (413 above)", type=int, default=1 << 20)
+    _opt(g, "--max-pending-requests", "requests waiting for an engine before 429", type=int, default=256)
+    _opt(g, "--max-n", "largest n accepted", type=int, default=16)
+    _opt(g, "--max-stop-strings", "most stop strings per request", type=int, default=16)
+    _opt(g, "--max-logprobs", "largest logprobs / top_logprobs accepted", type=int, default=20)
+
+
+def _worker_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    _opt(g, "--block-size", "KV block size in tokens", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    _opt(g, "--kv-cache-memory-bytes", "KV cache size (default: a fraction of free memory)", type=int)
+    _opt(g, "--kv-cache-memory-fraction", "share of free memory for the KV cache", type=float, default=0.5)
+    _opt(g, "--num-device-blocks", "KV blocks on the device (overrides the memory options)", type=int)
+    _opt(g, "--swap-space-bytes", "CPU swap space for preempted sequences", type=int, default=0)
+    _opt(g, "--max-num-seqs", "sequences per batch", type=int, default=256)
+    _opt(g, "--max-num-batched-tokens", "tokens per step", type=int, default=2048)
+    _opt(g, "--preemption-mode", "what to do with a preempted sequence", default="recompute",
+         choices=["recompute", "swap"])
+    _opt(g, "--dtype", "weights/activations dtype (auto, float32, bfloat16, float16)", default="auto")
+    _opt(g, "--device", "torch device", default="cpu")
+    _opt(g, "--attention-backend", "paged attention implementation", default="ext", choices=["ext", "torch"])
+    _opt(g, "--kv-allocator", "KV allocator (paged, or the paper's contiguous baselines)", default="paged",
+         choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"])
+    _opt(g, "--no-prefix-caching", "disable prefix caching", action="store_true")
+    _opt(g, "--no-chunked-prefill", "disable chunked prefill", action="store_true")
+    _opt(g, "--num-threads", "torch CPU threads", type=int)
+    _opt(g, "--seed", "engine sampling seed", type=int, default=0)
+    w = parser.add_argument_group("worker")
+    _opt(w, "--engine-id", "this engine's consumer name (default: hostname-pid)", default="")
+    _opt(w, "--heartbeat-interval", "seconds between heartbeats", type=float, default=0.5)
+    _opt(w, "--heartbeat-ttl", "seconds after the last heartbeat when gateways give up on this engine",
+         type=float, default=3.0)
+    _opt(w, "--reply-ttl", "seconds a finished request's reply stream stays readable", type=int, default=300)
+    _opt(w, "--max-pull", "most new requests taken per step", type=int, default=8)
+
+
+def _common_flags(parser: argparse.ArgumentParser) -> None:
+    _opt(parser, "--log-level", "logging level", default="INFO",
+         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+_LAYOUTS: dict[str, tuple[str, list[Callable[[argparse.ArgumentParser], None]]]] = {
+    "serve": ("run everything on this machine: a private redis-server, a worker and a gateway",
+              [lambda p: _redis_flags(p, with_url=False), _model_flags, _gateway_flags, _worker_flags,
+               _common_flags]),
+    "gateway": ("run the OpenAI-compatible HTTP gateway against --redis-url",
+                [_redis_flags, _model_flags, _gateway_flags, _common_flags]),
+    "worker": ("run one engine worker against --redis-url",
+               [_redis_flags, _model_flags, _worker_flags, _common_flags]),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help, adders) in _LAYOUTS.items():
+        p = sub.add_parser(name, help=help, description=help)
+        for add in adders:
+            add(p)
+    demo = sub.add_parser("demo-model", help="write the demo checkpoint to PATH", description="write the demo "
+                          "checkpoint (random weights, byte-level tokenizer; it generates noise) to PATH")
+    demo.add_argument("path", metavar="PATH")
+    return parser
+
+
+def redis_config(args: argparse.Namespace) -> RedisConfig:
+    return RedisConfig(url=args.redis_url, prefix=args.redis_prefix, block_ms=args.redis_block_ms)
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        redis=redis_config(args), host=args.host, port=args.port, model=args.model,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        api_keys=tuple(args.api_key), cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
+        max_pending_requests=args.max_pending_requests, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
+        max_logprobs=args.max_logprobs)
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    engine = EngineConfig(
+        model=args.model, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction, num_device_blocks=args.num_device_blocks,
+        swap_space_bytes=args.swap_space_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+        preemption_mode=args.preemption_mode, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend, kv_allocator=args.kv_allocator, seed=args.seed,
+        num_threads=args.num_threads, show_progress=False)
+    return WorkerConfig(redis=redis_config(args), engine=engine, engine_id=args.engine_id,
+                        served_model_name=args.served_model_name, heartbeat_interval_s=args.heartbeat_interval,
+                        heartbeat_ttl_s=args.heartbeat_ttl, reply_ttl_s=args.reply_ttl, max_pull=args.max_pull)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo-model":
+        from engine.demo_model import write_demo_model
+        print(write_demo_model(args.path))
+        return 0
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "gateway":
+            _run_async(_serve_gateway(gateway_config(args)))
+        elif args.command == "worker":
+            _run_async(_serve_worker(worker_config(args)))
+        else:
+            return _serve_all(args)
+    except ValueError as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_async(coro: Any) -> None:
+    import uvloop
+    uvloop.run(coro)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve_gateway(config: GatewayConfig) -> None:
+    from aiohttp import web
+
+    from engine.demo_model import ensure_demo_model
+    from service.gateway import Gateway
+    from service.tokenization import context_length, load_tokenizer
+
+    path = config.model or ensure_demo_model()
+    name = served_name(config.model, config.served_model_name)
+    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path))
+    runner = web.AppRunner(gateway.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    log.info("gateway %s serving %r on http://%s:%d/v1", gateway.gateway_id, name, config.host, config.port)
+    try:
+        await _wait_for_signal()
+    finally:
+        await runner.cleanup()
+
+
+async def _serve_worker(config: WorkerConfig) -> None:
+    from engine import LLMEngine
+    from service.worker import Worker
+
+    engine = LLMEngine(config.engine)
+    worker = Worker(config, engine, served_name(config.engine.model, config.served_model_name))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, worker.stop)
+    await worker.run()
+
+
+def _serve_all(args: argparse.Namespace) -> int:
+    """A private redis-server on a unix socket, then a worker and a gateway process."""
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        print(f"pagedserve: {_REDIS_HELP}", file=sys.stderr)
+        return 1
+    workdir = tempfile.mkdtemp(prefix="pagedserve-")
+    socket_path = os.path.join(workdir, "redis.sock")
+    env = {**os.environ, _env_name("--api-key"): ",".join(args.api_key)}
+    children = [subprocess.Popen([redis_server, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm",
+                                  "700", "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                                 preexec_fn=_detach_but_die_with_parent)]
+    try:
+        _wait_for_path(socket_path, children[0])
+        for command in ("worker", "gateway"):
+            children.append(subprocess.Popen([sys.executable, "-m", "service.cli", command, "--redis-url",
+                                              f"unix://{socket_path}"] + _child_argv(args, command), env=env,
+                                             preexec_fn=_detach_but_die_with_parent))
+        return _supervise(children)
+    finally:
+        _stop_all(children)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _detach_but_die_with_parent() -> None:
+    """A child in its own session, so Ctrl-C reaches only ``serve``, which then stops the
+    children in order; on Linux the kernel also stops it should ``serve`` be killed outright."""
+    os.setsid()
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_NOT_FORWARDED = {"redis_url", "api_key"}  # API keys travel in the environment, not on a visible command line
+
+
+def _child_argv(args: argparse.Namespace, command: str) -> list[str]:
+    """The flags given to ``serve`` that ``command`` knows; the child inherits the environment."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in _LAYOUTS[command][1]:
+        add(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in _NOT_FORWARDED or value is None or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            out.append(flag)
+        else:
+            out += [x for v in (value if isinstance(value, list) else [value]) for x in (flag, str(v))]
+    return out
+
+
+def _wait_for_path(path: str, process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+
+
+def _supervise(children: list[subprocess.Popen]) -> int:
+    """Waits until Ctrl-C / SIGTERM or until any child exits."""
+    stopping = False
+
+    def on_signal(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stopping:
+        for child in children:
+            if child.poll() is not None:
+                role = "redis-server" if child is children[0] else child.args[3]
+                print(f"pagedserve: the {role} process exited with {child.returncode}; stopping the others",
+                      file=sys.stderr)
+                return 1
+        time.sleep(0.2)
+    return 0
+
+
+def _stop_all(children: list[subprocess.Popen]) -> None:
+    for child in reversed(children):  # gateway, worker, then Redis
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""The OpenAI-compatible HTTP gateway (aiohttp): validate, tokenize, submit to
+the broker, detokenize the engine's tokens and answer, streaming or not."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerBase
+
+from service import responses
+from service.assembler import ChoiceUpdate, OutputAssembler
+from service.broker import BrokerUnavailable, GatewayBroker
+from service.config import GatewayConfig
+from service.messages import ReplyEvent, RequestMsg, params_to_wire
+from service.metrics import CONTENT_TYPE, GatewayMetrics
+from service.openapi import openapi_document
+from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion
+from service.tokenization import encode_chat, encode_prompt
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
+_PUBLIC_PATHS = {"/health", "/ready"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model_name: str,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.broker = GatewayBroker(config.redis, self.gateway_id, config.engine_poll_s)
+        self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
+        self.created = int(time.time())
+        self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._cors, self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.on_startup.append(lambda _: self.broker.start())
+        app.on_cleanup.append(lambda _: self.broker.close())
+        return app
+
+    # ---- middlewares ------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return self._error_response(exc)
+        except web.HTTPException as exc:  # routing errors, 413 from aiohttp's body limit
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+            return self._error_response(APIError(exc.status, exc.text or exc.reason, code=code))
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            return self._error_response(APIError(500, "internal server error"))
+
+    def _error_response(self, exc: APIError) -> web.Response:
+        self.metrics.errors.labels(str(exc.status)).inc()
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in self.config.cors_origins or origin in self.config.cors_origins)
+        if request.method == "OPTIONS" and allowed:
+            response: web.StreamResponse = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed and not response.prepared:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Vary"] = "Origin"
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.config.api_keys and request.path not in _PUBLIC_PATHS and not self._key_ok(request):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    def _key_ok(self, request: web.Request) -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given_bytes = given.strip().encode()
+        ok = False
+        for key in self.config.api_keys:  # no early exit: time does not depend on which key matched
+            ok |= hmac.compare_digest(given_bytes, key.encode())
+        return ok and scheme.lower() == "bearer"
+
+    # ---- simple routes ----------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _: web.Request) -> web.Response:
+        problem = self._unavailable_reason()
+        if problem:
+            return web.json_response({"status": "unavailable", "reason": problem}, status=503)
+        return web.json_response({"status": "ready", "engines": len(self._live_engines())})
+
+    async def models(self, _: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": self.model_name, "max_model_len": self._context_len()}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics_text(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(openapi_document(self.model_name))
+
+    def _live_engines(self) -> dict[str, Any]:
+        return {i: b for i, b in self.broker.engines.items() if b.model == self.model_name}
+
+    def _context_len(self) -> int:
+        # The engines' limit wins when it is tighter than what the checkpoint says.
+        return min([self.max_model_len] + [b.max_model_len for b in self._live_engines().values()])
+
+    def _unavailable_reason(self) -> str | None:
+        if not self.broker.redis_ok:
+            return "the broker (Redis) is unreachable"
+        if not self._live_engines():
+            return f"no live engine serves model {self.model_name!r}"
+        return None
+
+    # ---- generation -------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        start = time.perf_counter()
+        return await self._generate(request, parse_chat(await _json_body(request), self.config), start)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        start = time.perf_counter()
+        return await self._generate(request, parse_completion(await _json_body(request), self.config), start)
+
+    async def _generate(self, http: web.Request, req: GenerationRequest, start: float) -> web.StreamResponse:
+        if req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+        prompt_ids = self._tokenize(req)
+        check_context(req, len(prompt_ids), self._context_len())
+        self._check_capacity()
+        request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, time.time(),
+                         req.cache_salt)
+        try:
+            queue = await self.broker.submit(msg)
+        except BrokerUnavailable as exc:
+            raise APIError(503, str(exc), code="service_unavailable") from exc
+        run = _Run(self, http, req, request_id, prompt_ids, queue, start)
+        try:
+            return await (run.stream() if req.stream else run.complete())
+        except ClientGone:
+            return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+        finally:
+            run.close()
+
+    def _tokenize(self, req: GenerationRequest) -> list[int]:
+        try:
+            if req.chat:
+                ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt)
+            else:
+                ids = req.prompt if isinstance(req.prompt, list) else encode_prompt(self.tokenizer, req.prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages" if req.chat else "prompt") from exc
+        vocab = len(self.tokenizer)
+        for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids)):
+            if any(not 0 <= t < vocab for t in values):
+                raise APIError(400, f"{name} holds token ids outside the vocabulary [0, {vocab})", param=name)
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        return ids
+
+    def _check_capacity(self) -> None:
+        problem = self._unavailable_reason()
+        if problem:
+            raise APIError(503, problem, code="service_unavailable")
+        if self.broker.num_pending >= self.config.max_pending_requests:
+            raise APIError(429, f"the request queue is full ({self.config.max_pending_requests} waiting); "
+                                "retry later", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def abort_later(self, request_id: str) -> None:
+        task = asyncio.create_task(self.broker.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _Run:
+    """One request in flight: turns reply events into an HTTP response."""
+
+    def __init__(self, gateway: Gateway, http: web.Request, req: GenerationRequest, request_id: str,
+                 prompt_ids: list[int], queue: asyncio.Queue[ReplyEvent], start: float) -> None:
+        self.gw, self.http, self.req, self.request_id = gateway, http, req, request_id
+        self.prompt_ids = prompt_ids
+        self.queue = queue
+        self.assembler = OutputAssembler(gateway.tokenizer, prompt_ids, req.params.n, req.stop,
+                                         req.include_stop_str_in_output, req.skip_special_tokens)
+        self.logprobs = responses.LogprobFormatter(gateway.tokenizer, req.params.logprobs or 0)
+        self.created = int(time.time())
+        self.start = start  # when the HTTP request arrived: TTFT includes validation and tokenizing
+        self.last_token_time: float | None = None
+        self.num_cached_tokens = 0
+        self.engine_done = False
+
+    def close(self) -> None:
+        """Frees the engine's blocks unless the engine already finished the request."""
+        if self.engine_done:
+            self.gw.broker.release(self.request_id)
+        else:
+            self.gw.abort_later(self.request_id)
+
+    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        while not self.assembler.finished:
+            event = await self._next_event()
+            if event.kind == "accepted":
+                continue
+            if event.kind == "error":
+                self.engine_done = True
+                raise APIError(event.status, event.error or "the engine failed this request",
+                               code="engine_error" if event.status >= 500 else None)
+            self._observe(event)
+            updates = self.assembler.apply(event.choices)
+            if event.finished:
+                self.engine_done = True
+                updates += self.assembler.finish_all("abort")
+            elif self.assembler.finished:
+                self.gw.abort_later(self.request_id)  # a stop string ended it: free the engine's blocks now
+                self.engine_done = True
+            yield updates
+        self._record_finish()
+
+    async def _next_event(self) -> ReplyEvent:
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), self.gw.config.engine_poll_s)
+            except asyncio.TimeoutError:
+                transport = self.http.transport
+                if transport is None or transport.is_closing():
+                    raise ClientGone() from None
+
+    def _observe(self, event: ReplyEvent) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        if not any(c.token_ids for c in event.choices):
+            return
+        now = time.perf_counter()
+        labels = self.gw.metrics.ttft.labels(self.gw.model_name)
+        if self.last_token_time is None:
+            labels.observe(now - self.start)
+        else:
+            self.gw.metrics.itl.labels(self.gw.model_name).observe(now - self.last_token_time)
+        self.last_token_time = now
+
+    def _record_finish(self) -> None:
+        metrics, name = self.gw.metrics, self.gw.model_name
+        metrics.e2e.labels(name).observe(time.perf_counter() - self.start)
+        for index in range(self.req.params.n):
+            metrics.success.labels(name, self.assembler.finish_reason(index)).inc()
+
+    def _usage(self) -> dict[str, Any]:
+        return responses.usage(len(self.prompt_ids), self.assembler.num_completion_tokens, self.num_cached_tokens)
+
+    # ---- non-streaming ----------------------------------------------------
+    async def complete(self) -> web.Response:
+        lp_parts: list[list[dict[str, Any]]] = [[] for _ in range(self.req.params.n)]
+        async for updates in self.updates():
+            for u in updates:
+                if self.req.want_logprobs and u.logprobs:
+                    offset = len(self.assembler.text(u.index)) - len(u.text)
+                    lp_parts[u.index].append(self.logprobs.chat(u) if self.req.chat
+                                             else self.logprobs.completion(u, offset))
+        choices = [self._final_choice(i, parts) for i, parts in enumerate(lp_parts)]
+        obj = "chat.completion" if self.req.chat else "text_completion"
+        return web.json_response(responses.envelope(self.request_id, obj, self.created, self.gw.model_name,
+                                                     choices, self._usage()))
+
+    def _final_choice(self, index: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        text, reason = self.assembler.text(index), self.assembler.finish_reason(index)
+        if self.req.chat:
+            logprobs = {"content": [e for p in parts for e in p["content"]]} if self.req.want_logprobs else None
+            return responses.chat_choice(index, text, logprobs, reason)
+        logprobs = responses.LogprobFormatter.merge_completion(parts) if self.req.want_logprobs else None
+        return responses.completion_choice(index, text, logprobs, reason)
+
+    # ---- streaming --------------------------------------------------------
+    async def stream(self) -> web.StreamResponse:
+        # Validation is done and the request is queued, so the 200 can go out now.
+        sse = _SSEWriter(web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
+        await sse.response.prepare(self.http)
+        try:
+            if self.req.chat:
+                roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(self.req.params.n)]
+                await sse.send(self._chunk(roles))
+            async for updates in self.updates():
+                for u in updates:
+                    if u.text or u.finish_reason or (self.req.want_logprobs and u.logprobs):
+                        await sse.send(self._chunk([self._chunk_choice(u)]))
+            if self.req.include_usage:
+                await sse.send(self._chunk([], self._usage()))
+        except APIError as exc:
+            await sse.send(exc.body())
+        except (ClientGone, ConnectionResetError):
+            return sse.response
+        await sse.done()
+        return sse.response
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
+        return responses.envelope(self.request_id, obj, self.created, self.gw.model_name, choices, usage,
+                                  with_usage=self.req.include_usage)
+
+    def _chunk_choice(self, u: ChoiceUpdate) -> dict[str, Any]:
+        want = self.req.want_logprobs and u.logprobs
+        if self.req.chat:
+            return responses.chat_chunk_choice(u, self.logprobs.chat(u) if want else None)
+        offset = len(self.assembler.text(u.index)) - len(u.text)
+        return responses.completion_choice(u.index, u.text, self.logprobs.completion(u, offset) if want else None,
+                                           u.finish_reason)
+
+
+class _SSEWriter:
+    """``id: n`` then ``data: <json>`` per event, ``data: [DONE]`` last."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self._next_id = 0
+
+    async def send(self, body: dict[str, Any]) -> None:
+        await self._write(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
+
+    async def done(self) -> None:
+        await self._write("[DONE]")
+        await self.response.write_eof()
+
+    async def _write(self, data: str) -> None:
+        frame = f"id: {self._next_id}\ndata: {data}\n\n"
+        self._next_id += 1
+        await self.response.write(frame.encode("utf-8"))
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc

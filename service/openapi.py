@@ -1,0 +1,68 @@
+"""The OpenAPI 3.1 document served at /openapi.json (the routes and their
+main fields; the full field semantics are OpenAI's, as read by vLLM)."""
+from __future__ import annotations
+
+from typing import Any
+
+_SAMPLING = {
+    "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "n": {"type": "integer", "minimum": 1, "default": 1}, "seed": {"type": "integer", "minimum": 0},
+    "temperature": {"type": "number", "minimum": 0, "default": 1.0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+    "top_k": {"type": "integer", "default": -1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "max_tokens": {"type": "integer", "minimum": 1}, "min_tokens": {"type": "integer", "minimum": 0},
+    "ignore_eos": {"type": "boolean"},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+    "include_stop_str_in_output": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
+    "user": {"type": "string"}, "cache_salt": {"type": "string"},
+}
+_CHAT = {**_SAMPLING, "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"]}},
+         "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": {"type": "boolean"},
+         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}
+_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [{"type": "string"},
+                                                 {"type": "array", "items": {"type": "integer"}}]},
+               "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}
+_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "null"]}}}}}
+_ERROR_STATUSES = {"400": "invalid parameters or prompt too long", "401": "bad or missing API key",
+                   "404": "unknown model", "413": "body too large", "429": "queue full (see Retry-After)",
+                   "503": "Redis or every engine unavailable"}
+
+
+def _generation_op(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}}
+              for code, text in _ERROR_STATUSES.items()}
+    ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]'",
+          "content": {"application/json": {}, "text/event-stream": {}}}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "required": required, "properties": properties}}}},
+        "responses": {"200": ok, **errors}}}
+
+
+def _get_op(summary: str, content_type: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}}
+
+
+def openapi_document(model_name: str) -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagedserve", "version": "0.1.0",
+                 "description": f"OpenAI-compatible API serving {model_name!r}"},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": _generation_op("Chat completion", _CHAT, ["model", "messages"]),
+            "/v1/completions": _generation_op("Text completion", _COMPLETION, ["model", "prompt"]),
+            "/v1/models": _get_op("The served model"),
+            "/health": _get_op("Process alive (no API key needed)"),
+            "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),
+            "/metrics": _get_op("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get_op("This document"),
+        },
+    }
