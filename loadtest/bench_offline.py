@@ -1,0 +1,222 @@
+"""Offline throughput: pagedserve vs transformers static batching vs transformers continuous batching.
+
+    python -m loadtest.bench_offline --json results.json [--num-requests 64] [--models llama-19m,qwen2-0.5b]
+
+Same random-weight model (written once as a HF checkpoint), same synthetic workload, same machine,
+one run. Workloads use random token ids and ``ignore_eos`` (every request generates exactly its
+drawn output length). Lengths are log-normal, ``mu = ln(mean) - sigma^2 / 2`` so the expected value
+is the target mean, rounded and clipped to [1, cap]:
+
+* Alpaca-like:   input mean 19,  sigma 0.6, cap 256; output mean 58,  sigma 0.7, cap 512
+* ShareGPT-like: input mean 161, sigma 0.7, cap 768; output mean 338, sigma 0.7, cap 1280
+
+(caps keep every request within the models' 2048-token context; they trim the means by under 2%).
+
+The realised means are printed and stored. Throughput = generated (useful) tokens / wall time;
+tokens per CPU-second (process time, all threads) is stored too, as a cross-check that is less
+sensitive to other load on a shared machine. Static batching pads each batch to its longest prompt
+and generates its longest output; only the requested tokens count as useful.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import transformers
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from engine import LLM, SamplingParams
+
+MODELS = {
+    "llama-19m": dict(arch="llama", dtype="float32", config=dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)),
+    "qwen2-0.5b": dict(arch="qwen2", dtype="bfloat16", config=dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)),
+}
+WORKLOADS = {  # (mean, sigma, cap) for input and output lengths
+    "alpaca": ((19, 0.6, 256), (58, 0.7, 512)),
+    "sharegpt": ((161, 0.7, 768), (338, 0.7, 1280)),
+}
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class Result:
+    model: str
+    workload: str
+    system: str
+    tokens_per_s: float
+    seconds: float
+    tokens_per_cpu_s: float
+    output_tokens: int
+    detail: str = ""
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def lognormal_lengths(rng: random.Random, count: int, mean: float, sigma: float, cap: int) -> list[int]:
+    mu = math.log(mean) - sigma ** 2 / 2
+    return [min(cap, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(count)]
+
+
+def make_workload(name: str, count: int, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    (im, isg, icap), (om, osg, ocap) = WORKLOADS[name]
+    inputs = lognormal_lengths(rng, count, im, isg, icap)
+    outputs = lognormal_lengths(rng, count, om, osg, ocap)
+    return [Request([rng.randrange(vocab) for _ in range(i)], o) for i, o in zip(inputs, outputs)]
+
+
+def write_checkpoint(name: str, folder: str) -> str:
+    spec = MODELS[name]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["arch"]]
+    # eos disabled: every system must generate the full requested length.
+    config = config_cls(**spec["config"], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str) -> tuple[float, float]:
+    llm = LLM(path, skip_tokenizer_init=True, attention_backend=backend, num_threads=threads,
+              max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
+    return timed(lambda: _run_pagedserve(llm, requests))
+
+
+def _run_pagedserve(llm: LLM, requests: list[Request]) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    outs = llm.generate(prompt_token_ids=[r.prompt for r in requests], sampling_params=params)
+    assert all(len(o.outputs[0].token_ids) == r.output_len for o, r in zip(outs, requests))
+
+
+@torch.inference_mode()
+def run_hf_static(model, requests: list[Request], batch_size: int) -> None:
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        new = max(r.output_len for r in batch)
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                       pad_token_id=0)
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, requests: list[Request]) -> None:
+    longest = max(r.output_len for r in requests)
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=0)
+    # The hints generate_batch itself passes, so the manager sizes its cache and batch for this workload.
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests), max_generated_length=longest,
+                          num_requests=len(requests))
+    with model.continuous_batching_context_manager(generation_config=config, block=True, warmup=False,
+                                                   workload_hints=hints) as manager:
+        for i, r in enumerate(requests):
+            manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.output_len)
+        done = 0
+        while done < len(requests):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers continuous batching stopped early")
+            done += result.is_finished()
+
+
+def run_model(name: str, args, results: list[Result]) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        print(f"== {name}: writing random-weight checkpoint", flush=True)
+        path = write_checkpoint(name, folder)
+        hf_model = None
+        for workload in args.workloads:
+            requests = make_workload(workload, args.num_requests, MODELS[name]["config"]["vocab_size"], args.seed)
+            tokens = sum(r.output_len for r in requests)
+            mean_in = sum(len(r.prompt) for r in requests) / len(requests)
+            print(f"-- {workload}: {len(requests)} requests, mean input {mean_in:.0f}, "
+                  f"mean output {tokens / len(requests):.0f}", flush=True)
+
+            def record(system: str, seconds: tuple[float, float], detail: str = "") -> None:
+                wall, cpu = seconds
+                results.append(Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail))
+                print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
+                      f"CPU-s) {detail}", flush=True)
+
+            record("pagedserve", bench_pagedserve(path, requests, args.threads, args.backend),
+                   f"backend={args.backend}")
+            if hf_model is None and not (args.skip_hf_static and args.skip_hf_continuous):
+                hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
+            if not args.skip_hf_static:
+                runs = {}
+                for b in args.batch_sizes:
+                    runs[b] = timed(lambda: run_hf_static(hf_model, requests, b))
+                    print(f"   (hf-static batch {b}: {tokens / runs[b][0]:.1f} tok/s)", flush=True)
+                best = min(runs, key=lambda b: runs[b][0])
+                record("hf-static", runs[best], f"best batch size {best} of {args.batch_sizes}")
+            if not args.skip_hf_continuous:
+                record("hf-continuous", timed(lambda: run_hf_continuous(hf_model, requests)))
+
+
+def summarize(results: list[Result]) -> list[dict]:
+    rows = []
+    for key in sorted({(r.model, r.workload) for r in results}):
+        mine = [r for r in results if (r.model, r.workload) == key]
+        by = {r.system: r.tokens_per_s for r in mine}
+        by_cpu = {r.system: r.tokens_per_cpu_s for r in mine}
+        row = {"model": key[0], "workload": key[1], **{f"{s}_tok_s": round(v, 1) for s, v in by.items()}}
+        for base in ("hf-static", "hf-continuous"):
+            if base in by and "pagedserve" in by:
+                row[f"ratio_vs_{base}"] = round(by["pagedserve"] / by[base], 2)
+                row[f"cpu_ratio_vs_{base}"] = round(by_cpu["pagedserve"] / by_cpu[base], 2)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--workloads", default="alpaca,sharegpt", help="comma list of alpaca, sharegpt")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-sizes", default="8,16,32", help="static batching sizes to try (best is kept)")
+    parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
+    parser.add_argument("--skip-hf-static", action="store_true")
+    parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.workloads = args.workloads.split(",")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    torch.set_num_threads(args.threads)
+    results: list[Result] = []
+    for name in args.models.split(","):
+        run_model(name, args, results)
+    summary = summarize(results)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "summary": summary,
+                       "results": [asdict(r) for r in results]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

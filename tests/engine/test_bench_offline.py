@@ -1,0 +1,27 @@
+"""The offline benchmark's synthetic workloads have the documented means."""
+from __future__ import annotations
+
+import pytest
+
+from loadtest.bench_offline import WORKLOADS, Result, make_workload, summarize
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workload_lengths_have_target_means(name):
+    requests = make_workload(name, 20000, vocab=1000, seed=1)
+    (in_mean, _, in_cap), (out_mean, _, out_cap) = WORKLOADS[name]
+    mean_in = sum(len(r.prompt) for r in requests) / len(requests)
+    mean_out = sum(r.output_len for r in requests) / len(requests)
+    # Clipping at the caps trims the log-normal tail a little.
+    assert mean_in == pytest.approx(in_mean, rel=0.03) and mean_out == pytest.approx(out_mean, rel=0.03)
+    assert all(1 <= len(r.prompt) <= in_cap and 1 <= r.output_len <= out_cap for r in requests)
+    assert all(0 <= t < 1000 for r in requests[:100] for t in r.prompt)
+
+
+def test_summary_ratios():
+    results = [Result("m", "w", "pagedserve", 300.0, 1.0, 150.0, 300),
+               Result("m", "w", "hf-static", 100.0, 3.0, 100.0, 300),
+               Result("m", "w", "hf-continuous", 150.0, 2.0, 50.0, 300)]
+    (row,) = summarize(results)
+    assert row["ratio_vs_hf-static"] == 3.0 and row["ratio_vs_hf-continuous"] == 2.0
+    assert row["cpu_ratio_vs_hf-static"] == 1.5 and row["cpu_ratio_vs_hf-continuous"] == 3.0
