@@ -1,4 +1,4 @@
-"""What travels over Redis: msgpack maps with a schema version, never pickle.
+"""What travels over Redis: msgpack maps with a schema version (explicit fields, no code objects).
 
 Each message type is a dataclass; ``encode`` writes its fields plus ``v`` and
 ``decode`` checks the version and the field set, so a gateway and a worker of
