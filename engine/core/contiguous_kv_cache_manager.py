@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.core.buddy_allocator import BuddyAllocator, order_of
-from engine.core.kv_cache_manager import KVCacheStats
+from engine.core.kv_cache_manager import KVCacheStats, cdiv
 
 if TYPE_CHECKING:
     from engine.core.block_pool import Block
@@ -54,10 +54,6 @@ class Run:
     reserved_len: int
     num_slots: int = 0  # claimed (computed + scheduled this step)
     num_computed: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _next_pow2(n: int) -> int:
@@ -93,7 +89,7 @@ class ContiguousKVCacheManager:
 
     def block_ids(self, seq_id: int) -> list[int]:
         run = self.tables[seq_id]
-        return list(range(run.start, run.start + _cdiv(run.num_slots, self.block_size)))
+        return list(range(run.start, run.start + cdiv(run.num_slots, self.block_size)))
 
     # -- admission -----------------------------------------------------------
     def reservation(self, size: SeqSize) -> int:
@@ -108,7 +104,7 @@ class ContiguousKVCacheManager:
         return max(wanted, size.num_tokens, 1)
 
     def _order(self, size: SeqSize) -> int:
-        return order_of(_cdiv(self.reservation(size), self.block_size))
+        return order_of(cdiv(self.reservation(size), self.block_size))
 
     def find_cached_prefix(self, token_ids: list[int], salt: bytes | None) -> list[Block]:
         return []

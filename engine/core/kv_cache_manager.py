@@ -62,7 +62,7 @@ class BlockTable:
     on_cpu: bool = False
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -117,13 +117,13 @@ class KVCacheManager:
         new = 0
         revived: set[int] = set()
         for hits, num_tokens in requests:
-            new += _cdiv(num_tokens, self.block_size) - len(hits)
+            new += cdiv(num_tokens, self.block_size) - len(hits)
             revived.update(b.block_id for b in hits if b.ref_count == 0)
         return new + len(revived)
 
     def admission_error(self, sizes: list[SeqSize]) -> str | None:
         """Why these sequences could never be admitted together, if so."""
-        blocks = sum(_cdiv(size.num_tokens, self.block_size) for size in sizes)
+        blocks = sum(cdiv(size.num_tokens, self.block_size) for size in sizes)
         if blocks > self.device.num_blocks:
             return f"needs {blocks} KV blocks, the pool has {self.device.num_blocks}"
         return None
@@ -164,7 +164,7 @@ class KVCacheManager:
             start = table.num_slots
             if target <= start:
                 continue
-            total += -(-target // bs) - len(table.blocks)
+            total += cdiv(target, bs) - len(table.blocks)
             if start % bs and table.blocks[-1].ref_count > 1:
                 last = table.blocks[-1]
                 refs_left = refs_left or {}
@@ -194,7 +194,7 @@ class KVCacheManager:
             block = pool.allocate()
             blocks.append(block)
             table.block_ids.append(block.block_id)
-        for j in range(start // bs, _cdiv(target, bs)):
+        for j in range(start // bs, cdiv(target, bs)):
             block = blocks[j]
             pool.set_fill(block, min(bs, target - j * bs), block.num_computed)
         table.num_slots = target
@@ -242,14 +242,14 @@ class KVCacheManager:
         bs = self.block_size
         pool = self.device
         done = table.num_computed
-        if done % bs and num_computed <= _cdiv(done, bs) * bs:  # stays in one block: the decode hot path
+        if done % bs and num_computed <= cdiv(done, bs) * bs:  # stays in one block: the decode hot path
             pool.add_fill(table.blocks[done // bs], 0, num_computed - done)
         else:
-            for j in range(done // bs, _cdiv(num_computed, bs)):
+            for j in range(done // bs, cdiv(num_computed, bs)):
                 block = table.blocks[j]
                 pool.set_fill(block, block.num_slots, min(bs, num_computed - j * bs))
         table.num_computed = num_computed
-        if not self.enable_caching or (table.num_hashed + 1) * bs > num_computed:
+        if not self.enable_caching:
             return
         while (table.num_hashed + 1) * bs <= num_computed:
             start = table.num_hashed * bs
