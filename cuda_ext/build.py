@@ -46,6 +46,13 @@ def wants_cuda() -> bool:
     return torch.cuda.is_available() or os.environ.get("PAGEDSERVE_BUILD_CUDA") == "1"
 
 
+def builds_cuda() -> bool:
+    """Whether ``build`` compiles the CUDA variant: wanted, and a toolkit to compile it with."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return wants_cuda() and CUDA_HOME is not None
+
+
 def require_toolchain() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
@@ -73,9 +80,9 @@ def build(verbose: bool = False) -> None:
     if is_built():
         return
     require_toolchain()
-    from torch.utils.cpp_extension import CUDA_HOME, load
+    from torch.utils.cpp_extension import load
 
-    with_cuda = wants_cuda() and CUDA_HOME is not None
+    with_cuda = builds_cuda()
     if wants_cuda() and not with_cuda:
         print("pagedserve: CUDA kernels wanted but no CUDA toolkit (CUDA_HOME) was found: building the CPU "
               "kernels only; use attention_backend='torch' on the GPU", file=sys.stderr)
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvcc_check:
         return nvcc_check()
     build(verbose=args.verbose)
-    print(f"pagedserve kernels ready in torch.ops.pagedserve ({build_directory(wants_cuda())})")
+    print(f"pagedserve kernels ready in torch.ops.pagedserve ({build_directory(builds_cuda())})")
     return 0
 
 

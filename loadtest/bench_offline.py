@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import transformers
-from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from engine import LLM, SamplingParams
 
@@ -125,6 +124,9 @@ def run_hf_static(model, requests: list[Request], batch_size: int) -> None:
 
 @torch.inference_mode()
 def run_hf_continuous(model, requests: list[Request]) -> None:
+    # Imported here: it costs seconds, and paper_workloads / bench_serving import this module for WORKLOADS.
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
     longest = max(r.output_len for r in requests)
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=0)
     # The hints generate_batch itself passes, so the manager sizes its cache and batch for this workload.
