@@ -265,9 +265,8 @@ class _Run:
         if not any(c.token_ids for c in event.choices):
             return
         now = time.perf_counter()
-        labels = self.gw.metrics.ttft.labels(self.gw.model_name)
         if self.last_token_time is None:
-            labels.observe(now - self.start)
+            self.gw.metrics.ttft.labels(self.gw.model_name).observe(now - self.start)
         else:
             self.gw.metrics.itl.labels(self.gw.model_name).observe(now - self.last_token_time)
         self.last_token_time = now
@@ -286,10 +285,9 @@ class _Run:
         lp_parts: list[list[dict[str, Any]]] = [[] for _ in range(self.req.params.n)]
         async for updates in self.updates():
             for u in updates:
-                if self.req.want_logprobs and u.logprobs:
-                    offset = len(self.assembler.text(u.index)) - len(u.text)
-                    lp_parts[u.index].append(self.logprobs.chat(u) if self.req.chat
-                                             else self.logprobs.completion(u, offset))
+                logprobs = self._logprobs(u)
+                if logprobs is not None:
+                    lp_parts[u.index].append(logprobs)
         choices = [self._final_choice(i, parts) for i, parts in enumerate(lp_parts)]
         obj = "chat.completion" if self.req.chat else "text_completion"
         return web.json_response(responses.envelope(self.request_id, obj, self.created, self.gw.model_name,
@@ -333,12 +331,18 @@ class _Run:
                                   with_usage=self.req.include_usage)
 
     def _chunk_choice(self, u: ChoiceUpdate) -> dict[str, Any]:
-        want = self.req.want_logprobs and u.logprobs
+        logprobs = self._logprobs(u)
         if self.req.chat:
-            return responses.chat_chunk_choice(u, self.logprobs.chat(u) if want else None)
-        offset = len(self.assembler.text(u.index)) - len(u.text)
-        return responses.completion_choice(u.index, u.text, self.logprobs.completion(u, offset) if want else None,
-                                           u.finish_reason)
+            return responses.chat_chunk_choice(u, logprobs)
+        return responses.completion_choice(u.index, u.text, logprobs, u.finish_reason)
+
+    def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        """This update's logprobs in the endpoint's shape; None when not asked for or none came."""
+        if not (self.req.want_logprobs and u.logprobs):
+            return None
+        if self.req.chat:
+            return self.logprobs.chat(u)
+        return self.logprobs.completion(u, len(self.assembler.text(u.index)) - len(u.text))
 
 
 class _SSEWriter:

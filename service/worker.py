@@ -110,8 +110,9 @@ class Worker:
                 await self.broker.ack(item.handle.entry_id)
                 continue
             events.append((item.handle, self._event("accepted")))
-            events.append((item.handle, self._add(item)))
-        return [(h, e) for h, e in events if e is not None]
+            if (reply := self._add(item)) is not None:
+                events.append((item.handle, reply))
+        return events
 
     def _add(self, item: Pulled) -> ReplyEvent | None:
         msg = item.msg
