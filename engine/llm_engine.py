@@ -93,7 +93,7 @@ class LLMEngine:
 
     def has_capacity(self) -> bool:
         s = self.scheduler
-        kv = s.kv.stats()
+        kv = s.kv  # its num_free_blocks / num_blocks directly: stats() also computes fields unused here
         return (s.num_waiting == 0 and s.num_running + s.num_swapped < self.config.max_num_seqs
                 and kv.num_free_blocks > _FREE_BLOCK_WATERMARK * kv.num_blocks)
 

@@ -22,7 +22,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_
         raise FileNotFoundError(f"no *.safetensors files in model folder {cfg.path!r}")
     with torch.device("meta"):
         model = cls(cfg, device, dtype)
-    model.to_empty(device=device).to(dtype)
+    model.to(dtype).to_empty(device=device)  # cast while on meta: no full-size copy in the default dtype
     model.tie_weights()
     loaded = _load_files(model, files, show_progress)
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)

@@ -40,7 +40,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, params)
-        return SamplerOutput(tokens.tolist(), _logprobs(raw, tokens, params))
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, _logprobs(raw, tokens, token_ids, params))
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params)
@@ -122,7 +123,8 @@ def _seed_key(seed: int, index: int, position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position) & _MASK64
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int],
+              params: list[SamplingParams]) -> list[TokenLogprobs | None]:
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(params)
     if not wanted:
@@ -131,9 +133,10 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
     chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs for i in wanted)
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # one device->host copy each, not one per row
     for row, i in enumerate(wanted):
         n = params[i].logprobs
-        entry = dict(zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))
-        entry[int(tokens[i])] = chosen[row]
+        entry = dict(zip(top_ids[row][:n], top_lp[row][:n]))
+        entry[token_ids[i]] = chosen[row]
         result[i] = entry
     return result
