@@ -1,7 +1,7 @@
-"""Iteration-level FCFS scheduler over the KV cache (DESIGN.md §2-3).
+"""Iteration-level FCFS scheduler over the KV cache.
 
 The KV manager is the paged one or, for the paper's baselines, a contiguous
-one (``EngineConfig.kv_allocator``): the same policy runs on both; a
+one (``SchedulerConfig.kv_allocator``): the same policy runs on both; a
 contiguous manager reserves everything at admission, so its running groups
 never need blocks and are never preempted.
 
@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheStats
 from engine.core.kv_manager import Admission, SeqSize, make_kv_manager
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -57,9 +57,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.num_device_blocks is None:
-            raise ValueError("num_device_blocks must be resolved before the scheduler is built")
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = make_kv_manager(config)
         self.waiting: deque[SequenceGroup] = deque()
