@@ -35,9 +35,9 @@ class LLMEngine:
         self.config, model = resolve_config(config, partial(load_model, show_progress=config.show_progress))
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
-        self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(self.config.attention_backend))
+        self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))
         self.scheduler = Scheduler(self.config.scheduler)
-        self.sampler = Sampler(self.eos_token_ids, self.config.seed, self.config.device)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
@@ -203,17 +203,4 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
-        kv = s.kv
-        return EngineStats(
-            num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
-            num_requests_swapped=s.num_swapped, kv_cache_usage=kv.usage, kv_token_utilization=kv.token_utilization,
-            num_blocks_total=kv.num_blocks, num_blocks_free=kv.num_free_blocks,
-            num_blocks_cached=kv.num_cached_free_blocks, num_blocks_used=kv.num_used_blocks,
-            num_cpu_blocks_total=kv.num_cpu_blocks, num_cpu_blocks_used=kv.num_cpu_used_blocks,
-            kv_tokens_stored=kv.num_tokens_stored, kv_reserved_slots=kv.num_reserved_slots,
-            kv_internal_frag_slots=kv.num_internal_frag_slots, kv_external_frag_slots=kv.num_external_frag_slots,
-            kv_free_slots=kv.num_free_slots, num_preemptions_total=s.num_preemptions,
-            prefix_cache_queries_total=s.prefix_cache_queries, prefix_cache_hits_total=s.prefix_cache_hits,
-            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
-            num_swapped_out_blocks_total=s.num_swapped_out_blocks, num_swapped_in_blocks_total=s.num_swapped_in_blocks)
+        return self.scheduler.stats(self._prompt_tokens_total, self._generation_tokens_total)

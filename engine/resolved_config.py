@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import torch
 
-from engine.config import AttentionBackend, EngineConfig
+from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
 from engine.models.config import ModelConfig, read_model_config, resolve_dtype
@@ -21,15 +21,13 @@ M = TypeVar("M")
 
 @dataclass(frozen=True, slots=True)
 class ResolvedConfig:
-    """What the engine and its model runner read."""
+    """What the engine, its model runner and the offline ``LLM`` read after construction."""
 
     model_config: ModelConfig  # its path: the checkpoint in use (the demo model when none was given)
     tokenizer: str  # the model's folder unless the config names another
     dtype: torch.dtype
     device: torch.device
     scheduler: SchedulerConfig
-    attention_backend: AttentionBackend
-    seed: int
     show_progress: bool
 
 
@@ -51,7 +49,7 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
                                          max_model_len=max_model_len)
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
-                              config.attention_backend, config.seed, config.show_progress)
+                              config.show_progress)
     return resolved, model
 
 

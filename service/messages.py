@@ -13,7 +13,7 @@ import msgpack
 
 from engine.stats import EngineStats
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a Heartbeat's figures are EngineStats fields
 
 T = TypeVar("T")
 

@@ -8,8 +8,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from service.messages import (ChoiceDelta, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode, encode,
-                              params_to_wire)
+from service.messages import (SCHEMA_VERSION, ChoiceDelta, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode,
+                              encode, params_to_wire)
 from tests.service.conftest import engine_stats
 
 
@@ -26,21 +26,23 @@ def test_round_trips_and_params_survive() -> None:
 
 
 _STATS = {f.name: 0 for f in fields(EngineStats)}
-_BEAT = {"engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1, "stats": _STATS}
+_BEAT = {"v": SCHEMA_VERSION, "engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1,
+         "stats": _STATS}
 
 
 def test_a_well_formed_heartbeat_decodes() -> None:  # so each bad payload below fails for its own reason
-    assert decode(Heartbeat, msgpack.packb({"v": 1} | _BEAT)).stats == EngineStats(**_STATS)
+    assert decode(Heartbeat, msgpack.packb(_BEAT)).stats == EngineStats(**_STATS)
 
 
 @pytest.mark.parametrize("payload", [
-    msgpack.packb({"v": 2} | _BEAT),  # newer schema
-    msgpack.packb(_BEAT),  # no version
-    msgpack.packb({"v": 1, "x": 1} | _BEAT),
-    msgpack.packb({"v": 1, "engine_id": "e"}),  # missing fields
-    msgpack.packb({"v": 1} | _BEAT | {"stats": _STATS | {"kv_cache_usage_perc": 0.5}}),  # an unknown figure
-    msgpack.packb({"v": 1} | _BEAT | {"stats": {"num_blocks_free": 3}}),  # missing figures
-    msgpack.packb({"v": 1} | _BEAT | {"stats": [1, 2]}),  # figures not a map
+    msgpack.packb(_BEAT | {"v": SCHEMA_VERSION + 1}),  # newer schema
+    msgpack.packb(_BEAT | {"v": SCHEMA_VERSION - 1}),  # older schema: its figures had other names
+    msgpack.packb({k: v for k, v in _BEAT.items() if k != "v"}),  # no version
+    msgpack.packb(_BEAT | {"x": 1}),
+    msgpack.packb({"v": SCHEMA_VERSION, "engine_id": "e"}),  # missing fields
+    msgpack.packb(_BEAT | {"stats": _STATS | {"kv_cache_usage_perc": 0.5}}),  # an unknown figure
+    msgpack.packb(_BEAT | {"stats": {"num_blocks_free": 3}}),  # missing figures
+    msgpack.packb(_BEAT | {"stats": [1, 2]}),  # figures not a map
     msgpack.packb([1, 2]), b"\xc1",  # not a map; not msgpack
 ])
 def test_bad_payloads_are_schema_errors(payload: bytes) -> None:
