@@ -1,4 +1,4 @@
-"""The engine's one configuration object (DESIGN.md §2)."""
+"""The engine's one configuration object, as the user writes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,14 +9,15 @@ AttentionBackend = Literal["ext", "torch"]
 KVAllocator = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; validated in ``__post_init__``.
 
-    ``num_device_blocks`` / ``num_cpu_blocks`` may be left ``None``: the engine
-    derives them from ``kv_cache_memory_bytes`` (or ``kv_cache_memory_fraction``
-    of available memory) and ``swap_space_bytes`` once the model's per-token KV
-    size is known, and stores the resolved values back here.
+    ``model``, ``max_model_len``, ``num_device_blocks`` and ``num_cpu_blocks`` may
+    be left ``None``: ``engine.resolved_config.resolve_config`` settles them (the
+    demo model; the checkpoint's context length; block counts from
+    ``kv_cache_memory_bytes``, or ``kv_cache_memory_fraction`` of available memory,
+    and ``swap_space_bytes``) into a separate frozen ``ResolvedConfig``.
     """
 
     model: str | None = None

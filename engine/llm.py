@@ -25,7 +25,7 @@ class LLM:
         if not skip_tokenizer_init:
             from transformers import AutoTokenizer  # heavy import, only when text is wanted
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer)
         self._request_ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | None = None,

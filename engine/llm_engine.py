@@ -1,11 +1,11 @@
-"""The step-driven engine: requests in, incremental token outputs out (DESIGN.md §2)."""
+"""The step-driven engine: requests in, incremental token outputs out."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 
@@ -13,14 +13,14 @@ import cuda_ext
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from engine.demo_model import ensure_demo_model
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, resolve_kv_blocks
-from engine.models.config import read_model_config, resolve_dtype
+from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.resolved_config import resolve_config
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -30,24 +30,14 @@ _FREE_BLOCK_WATERMARK = 0.05
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config = dataclasses.replace(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        config.model = config.model or ensure_demo_model()
-        model_config = read_model_config(config.model)
-        self.model_path = config.model
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_ids: set[int] = set(model_config.eos_token_ids)
-        self.max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
-        config.max_model_len = self.max_model_len
-        device = torch.device(config.device)
-        dtype = resolve_dtype(config.dtype, model_config.dtype, device.type)
-        model = load_model(model_config, device, dtype, config.show_progress)
-        resolve_kv_blocks(config, model_config, dtype, device)
-        self.config = config
-        self.runner = ModelRunner(model, model_config, config, cuda_ext.load_ops(config.attention_backend), device, dtype)
-        self.scheduler = Scheduler(config)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, device)
+        self.config, model = resolve_config(config, partial(load_model, show_progress=config.show_progress))
+        self.max_model_len = self.config.scheduler.max_model_len
+        self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
+        self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))
+        self.scheduler = Scheduler(self.config.scheduler)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
@@ -72,8 +62,9 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty (it needs at least one token)")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got range [{min(prompt)}, {max(prompt)}]")
+        vocab_size = self.config.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got range [{min(prompt)}, {max(prompt)}]")
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ValueError(f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
@@ -94,7 +85,7 @@ class LLMEngine:
     def has_capacity(self) -> bool:
         s = self.scheduler
         kv = s.kv  # its num_free_blocks / num_blocks directly: stats() also computes fields unused here
-        return (s.num_waiting == 0 and s.num_running + s.num_swapped < self.config.max_num_seqs
+        return (s.num_waiting == 0 and s.num_running + s.num_swapped < s.config.max_num_seqs
                 and kv.num_free_blocks > _FREE_BLOCK_WATERMARK * kv.num_blocks)
 
     # ---- one iteration --------------------------------------------------
@@ -211,30 +202,5 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------
-    def stats(self) -> dict[str, int | float]:
-        s = self.scheduler.stats()
-        kv = s.kv
-        return {
-            "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
-            "num_requests_swapped": s.num_swapped, "kv_cache_usage_perc": kv.usage,
-            "num_blocks_total": kv.num_blocks, "num_blocks_free": kv.num_free_blocks,
-            "num_blocks_cached": kv.num_cached_free_blocks, "num_blocks_used": kv.num_used_blocks,
-            "num_cpu_blocks_total": kv.num_cpu_blocks, "num_cpu_blocks_used": kv.num_cpu_used_blocks,
-            "kv_tokens_stored": kv.num_tokens_stored, "kv_reserved_slots": kv.num_reserved_slots,
-            "kv_internal_frag_slots": kv.num_internal_frag_slots, "kv_external_frag_slots": kv.num_external_frag_slots,
-            "kv_free_slots": kv.num_free_slots, "kv_token_utilization_perc": kv.token_utilization,
-            "num_preemptions_total": s.num_preemptions,
-            "prefix_cache_queries_total": s.prefix_cache_queries, "prefix_cache_hits_total": s.prefix_cache_hits,
-            "prompt_tokens_total": self._prompt_tokens_total,
-            "generation_tokens_total": self._generation_tokens_total,
-            "num_swapped_out_blocks_total": s.num_swapped_out_blocks,
-            "num_swapped_in_blocks_total": s.num_swapped_in_blocks,
-        }
-
-
-def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
-    if requested is None:
-        return model_limit
-    if requested > model_limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings ({model_limit})")
-    return requested
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats(self._prompt_tokens_total, self._generation_tokens_total)

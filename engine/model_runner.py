@@ -1,32 +1,27 @@
 """Turns a SchedulerOutput into one forward pass over the paged KV pool."""
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from cuda_ext import KernelOps
-from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.layers.attention import AttentionMetadata
-from engine.models.config import ModelConfig
-
-logger = logging.getLogger(__name__)
+from engine.resolved_config import ResolvedConfig
 
 
 class ModelRunner:
     """Owns the KV pools (device and CPU swap) and runs the model on a flattened batch."""
 
-    def __init__(self, model: nn.Module, model_config: ModelConfig, config: EngineConfig, ops: KernelOps,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.model, self.ops, self.device = model, ops, device
-        self.block_size = config.block_size
-        shape = (model_config.num_layers, 2, model_config.num_kv_heads, config.block_size, model_config.head_dim)
-        self.kv_cache = _new_pool(config.num_device_blocks, shape, dtype, device)
+    def __init__(self, model: nn.Module, config: ResolvedConfig, ops: KernelOps) -> None:
+        self.model, self.ops, self.device = model, ops, config.device
+        m, sched = config.model_config, config.scheduler
+        self.block_size = sched.block_size
+        shape = (m.num_layers, 2, m.num_kv_heads, sched.block_size, m.head_dim)
+        self.kv_cache = _new_pool(sched.num_device_blocks, shape, config.dtype, config.device)
         # Swap-ins only read blocks a swap-out wrote, so the CPU pool needs no zeroing.
-        self.cpu_cache = torch.empty((config.num_cpu_blocks, *shape), dtype=dtype, device="cpu",
-                                     pin_memory=device.type == "cuda" and config.num_cpu_blocks > 0)
+        self.cpu_cache = torch.empty((sched.num_cpu_blocks, *shape), dtype=config.dtype, device="cpu",
+                                     pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
         for i, attn in enumerate(model.attention_layers()):
             attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
 
@@ -98,30 +93,3 @@ def _new_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, devic
 def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
-
-def resolve_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill ``config.num_device_blocks`` / ``num_cpu_blocks`` from byte budgets when not given.
-
-    The device pool is capped at what ``max_num_seqs`` full-length sequences
-    could ever use: more blocks would only idle (and on CPU, be zeroed for nothing).
-    """
-    block_bytes = model_config.kv_elements_per_token * config.block_size * dtype.itemsize
-    max_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
-    if config.num_device_blocks is None:
-        budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction)
-        config.num_device_blocks = min(budget // block_bytes, max_useful)
-        if config.num_device_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
-    if config.num_cpu_blocks is None:
-        config.num_cpu_blocks = min(config.swap_space_bytes // block_bytes, config.num_device_blocks)
-    logger.info("KV cache: %d device blocks and %d CPU swap blocks of %d tokens (%.1f MiB per block)",
-                config.num_device_blocks, config.num_cpu_blocks, config.block_size, block_bytes / 2**20)
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024

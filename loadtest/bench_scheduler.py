@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
 
@@ -46,8 +47,8 @@ def _prompt_lengths(batch: int, seed: int) -> list[int]:
 def _decoding_scheduler(batch: int, steps: int, seed: int) -> Scheduler:
     lengths = _prompt_lengths(batch, seed)
     num_blocks = sum(-(-(n + steps + 1) // 16) for n in lengths) + batch
-    sched = Scheduler(EngineConfig(num_device_blocks=num_blocks, max_num_seqs=batch,
-                                   max_num_batched_tokens=max(2048, batch)))
+    sched = Scheduler(SchedulerConfig.without_model(EngineConfig(
+        num_device_blocks=num_blocks, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch))))
     for i, n in enumerate(lengths):
         tokens = [(i * 7919 + t) % 32000 for t in range(n)]
         sched.add_group(SequenceGroup(f"r{i}", [Sequence(i, tokens, n)], SamplingParams(max_tokens=None), i))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -103,7 +104,7 @@ class SimResult:
 class Simulation:
     def __init__(self, config: EngineConfig, trace: list[TraceRequest], step_time_s: float, seed: int = 0,
                  track_sharing: bool = False) -> None:
-        self.sched = Scheduler(config)
+        self.sched = Scheduler(SchedulerConfig.without_model(config))
         self.pending = deque(sorted(trace, key=lambda r: r.arrival))
         self.step_time_s = step_time_s
         self.now = 0.0

@@ -206,8 +206,9 @@ async def _serve_gateway(config: GatewayConfig) -> None:
     from aiohttp import web
 
     from engine.demo_model import ensure_demo_model
+    from engine.models.config import context_length
     from service.gateway import Gateway
-    from service.tokenization import context_length, load_tokenizer
+    from service.tokenization import load_tokenizer
 
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)

@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 1
+from engine.stats import EngineStats
+
+SCHEMA_VERSION = 2  # 2: a Heartbeat's figures are EngineStats fields
 
 T = TypeVar("T")
 
@@ -73,13 +75,15 @@ class Heartbeat:
     incarnation: str
     model: str
     max_model_len: int
-    stats: dict[str, int | float]
+    stats: EngineStats  # a map of its field names on the wire
 
 
 def encode(msg: Any) -> bytes:
     body = _fields(msg)
     if isinstance(msg, ReplyEvent):
         body["choices"] = [_fields(c) for c in msg.choices]
+    elif isinstance(msg, Heartbeat):
+        body["stats"] = _fields(msg.stats)
     body["v"] = SCHEMA_VERSION
     return msgpack.packb(body, use_bin_type=True)
 
@@ -105,6 +109,8 @@ def decode(cls: type[T], payload: bytes) -> T:
         raise SchemaError(f"{cls.__name__} schema version {version!r}, expected {SCHEMA_VERSION}")
     if cls is ReplyEvent:
         body["choices"] = [_from_fields(ChoiceDelta, c) for c in body.get("choices", [])]
+    elif cls is Heartbeat and "stats" in body:
+        body["stats"] = _from_fields(EngineStats, body["stats"])
     return _from_fields(cls, body)
 
 

@@ -2,37 +2,25 @@
 
 Latencies are measured here, where the client's clock runs; engine-side
 figures (queue lengths, KV usage and fragmentation, preemptions, prefix-cache
-hits) come from the engines' heartbeats, one label value per engine.
+hits) come from the engines' heartbeats, one label value per engine, each
+exported under the name and kind its ``EngineStats`` field declares.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from engine.stats import EngineStats
 from service.messages import Heartbeat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
-# engine.stats() key -> exported name; counters get "_total" from prometheus_client.
-_ENGINE_COUNTERS = {
-    "num_preemptions_total": "vllm:num_preemptions",
-    "prefix_cache_queries_total": "vllm:prefix_cache_queries",
-    "prefix_cache_hits_total": "vllm:prefix_cache_hits",
-    "prompt_tokens_total": "vllm:prompt_tokens",
-    "generation_tokens_total": "vllm:generation_tokens",
-    "num_swapped_out_blocks_total": "pagedserve:num_swapped_out_blocks",
-    "num_swapped_in_blocks_total": "pagedserve:num_swapped_in_blocks",
-}
-_ENGINE_GAUGES = {
-    "num_requests_running": "vllm:num_requests_running",
-    "num_requests_waiting": "vllm:num_requests_waiting",
-    "num_requests_swapped": "vllm:num_requests_swapped",
-    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
-}  # any other stats key is exported as pagedserve:<key>
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}  # an EngineStats field's kind
 
 
 class GatewayMetrics:
@@ -64,20 +52,12 @@ class _EngineCollector:
         self._engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for engine_id, beat in sorted(self._engines().items()):
-            for key, value in sorted(beat.stats.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._family(families, key).add_metric([engine_id, beat.model], value)
-        yield from families.values()
-
-    @staticmethod
-    def _family(families: dict[str, Metric], key: str) -> Metric:
-        if key not in families:
-            labels = ["engine", "model_name"]
-            if key in _ENGINE_COUNTERS:
-                families[key] = CounterMetricFamily(_ENGINE_COUNTERS[key], f"Engine {key}.", labels=labels)
-            else:
-                name = _ENGINE_GAUGES.get(key, f"pagedserve:{key}")
-                families[key] = GaugeMetricFamily(name, f"Engine {key}.", labels=labels)
-        return families[key]
+        beats = sorted(self._engines().items())
+        if not beats:
+            return
+        for f in fields(EngineStats):
+            family = _FAMILIES[f.metadata["kind"]](f.metadata["prometheus"], f.metadata["help"],
+                                                   labels=["engine", "model_name"])
+            for engine_id, beat in beats:
+                family.add_metric([engine_id, beat.model], getattr(beat.stats, f.name))
+            yield family

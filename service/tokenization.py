@@ -2,9 +2,6 @@
 detokenization and stop strings. The engine never sees text."""
 from __future__ import annotations
 
-import json
-import os
-
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # Tokens of prompt context decoded with each new window, so tokenizers that
@@ -15,16 +12,6 @@ _REPLACEMENT = "\ufffd"
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_path)
-
-
-def context_length(model_path: str) -> int:
-    """The checkpoint's context length from config.json (no weights loaded)."""
-    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    raise ValueError(f"{model_path}/config.json names no context length; pass --max-model-len")
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],

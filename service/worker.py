@@ -1,4 +1,4 @@
-"""Drives one LLMEngine from the Redis request stream (DESIGN.md §5).
+"""Drives one LLMEngine from the Redis request stream.
 
 Each iteration: pull new requests only if the engine has room (so idle engines
 take the work: pull-based balancing), apply aborts, run one engine step in a
@@ -17,6 +17,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 from service.broker import Pulled, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
@@ -40,7 +41,7 @@ class Worker:
         self._owned: dict[str, RequestHandle] = {}
         self._recent_aborts: dict[str, None] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        self._stats: dict[str, int | float] = {}
+        self._stats: EngineStats = engine.stats()
         self._stats_time = 0.0
         self._publishing: asyncio.Task | None = None
         self._stopping = asyncio.Event()
@@ -50,7 +51,6 @@ class Worker:
 
     async def run(self) -> None:
         await self.broker.start()
-        self._stats = self.engine.stats()
         beat = asyncio.create_task(self._beat())
         log.info("worker %s serving %s", self.config.engine_id, self.model_name)
         try:

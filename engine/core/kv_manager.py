@@ -10,10 +10,10 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.config import EngineConfig
 from engine.core.block_pool import Block
 from engine.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from engine.core.scheduler_config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ class KVManager(Protocol):
     def stats(self) -> KVCacheStats: ...
 
 
-def make_kv_manager(config: EngineConfig) -> KVManager:
+def make_kv_manager(config: SchedulerConfig) -> KVManager:
     if config.kv_allocator == "paged":
-        return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks or 0,
+        return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
                               config.block_size, config.enable_prefix_caching)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off: the %s allocator shares no blocks (paged only)", config.kv_allocator)

@@ -1,7 +1,7 @@
-"""Iteration-level FCFS scheduler over the KV cache (DESIGN.md §2-3).
+"""Iteration-level FCFS scheduler over the KV cache.
 
 The KV manager is the paged one or, for the paper's baselines, a contiguous
-one (``EngineConfig.kv_allocator``): the same policy runs on both; a
+one (``SchedulerConfig.kv_allocator``): the same policy runs on both; a
 contiguous manager reserves everything at admission, so its running groups
 never need blocks and are never preempted.
 
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.core.kv_cache_manager import KVCacheStats
 from engine.core.kv_manager import Admission, SeqSize, make_kv_manager
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.stats import EngineStats
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -43,23 +42,8 @@ def _pending_forks(group: SequenceGroup) -> int:
     return max(0, group.params.n - len(group.seqs))
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv: KVCacheStats
-    num_preemptions: int
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
-    prefix_cache_queries: int  # in tokens, like vLLM's counters
-    prefix_cache_hits: int
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.num_device_blocks is None:
-            raise ValueError("num_device_blocks must be resolved before the scheduler is built")
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = make_kv_manager(config)
         self.waiting: deque[SequenceGroup] = deque()
@@ -347,9 +331,19 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
-            kv=self.kv.stats(), num_preemptions=self.num_preemptions,
-            num_swapped_out_blocks=self.num_swapped_out_blocks, num_swapped_in_blocks=self.num_swapped_in_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits)
+    def stats(self, prompt_tokens_total: int = 0, generation_tokens_total: int = 0) -> EngineStats:
+        """The scheduler's and its KV manager's figures, with the engine's token counters."""
+        kv = self.kv.stats()
+        return EngineStats(
+            num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
+            num_requests_swapped=len(self.swapped), kv_cache_usage=kv.usage, kv_token_utilization=kv.token_utilization,
+            num_blocks_total=kv.num_blocks, num_blocks_free=kv.num_free_blocks,
+            num_blocks_cached=kv.num_cached_free_blocks, num_blocks_used=kv.num_used_blocks,
+            num_cpu_blocks_total=kv.num_cpu_blocks, num_cpu_blocks_used=kv.num_cpu_used_blocks,
+            kv_tokens_stored=kv.num_tokens_stored, kv_reserved_slots=kv.num_reserved_slots,
+            kv_internal_frag_slots=kv.num_internal_frag_slots, kv_external_frag_slots=kv.num_external_frag_slots,
+            kv_free_slots=kv.num_free_slots, num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries_total=self.kv.prefix_cache_queries, prefix_cache_hits_total=self.kv.prefix_cache_hits,
+            prompt_tokens_total=prompt_tokens_total, generation_tokens_total=generation_tokens_total,
+            num_swapped_out_blocks_total=self.num_swapped_out_blocks,
+            num_swapped_in_blocks_total=self.num_swapped_in_blocks)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Where model families keep their context length, in order of preference.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
 @dataclass(slots=True)
@@ -32,14 +34,10 @@ class ModelConfig:
 
 def read_model_config(path: str) -> ModelConfig:
     """Parse ``path/config.json``; clear errors for a missing or odd folder."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
-    with open(config_file) as f:
-        hf = json.load(f)
+    hf = _read_config_json(path)
     archs = hf.get("architectures") or []
     if len(archs) != 1:
-        raise ValueError(f"{config_file}: expected exactly one entry in 'architectures', got {archs}")
+        raise ValueError(f"{path}/config.json: expected exactly one entry in 'architectures', got {archs}")
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     return ModelConfig(
@@ -51,11 +49,29 @@ def read_model_config(path: str) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hidden // num_heads,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=context_length(path, hf),
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
         eos_token_ids=_eos_ids(path, hf),
         hf=hf,
     )
+
+
+def context_length(path: str, hf: dict | None = None) -> int:
+    """The checkpoint's context length, from its config.json (read here unless given as ``hf``):
+    the engine's rule and the gateway's, which reads no weights."""
+    hf = _read_config_json(path) if hf is None else hf
+    for key in _CONTEXT_KEYS:
+        if isinstance(hf.get(key), int):
+            return hf[key]
+    raise ValueError(f"{path}/config.json names no context length (none of {', '.join(_CONTEXT_KEYS)})")
+
+
+def _read_config_json(path: str) -> dict:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
+    with open(config_file, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _eos_ids(path: str, hf: dict) -> list[int]:

@@ -7,6 +7,7 @@ from collections import Counter
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
@@ -27,7 +28,7 @@ def make_group(request_id: str, prompt: list[int], arrival: float = 0.0, n: int 
 def make_scheduler(**overrides) -> Scheduler:
     fields = dict(num_device_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
     fields.update(overrides)
-    return Scheduler(EngineConfig(**fields))
+    return Scheduler(SchedulerConfig.without_model(EngineConfig(**fields)))
 
 
 def fork_child(sched: Scheduler, group: SequenceGroup, parent: Sequence) -> Sequence:

@@ -27,15 +27,15 @@ def test_contiguous_allocators_generate_what_hf_generates(checkpoint, allocator)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         stats = engine.stats()
-        peak = max(peak, stats["num_requests_running"])
-        assert (stats["kv_tokens_stored"] + stats["kv_reserved_slots"] + stats["kv_internal_frag_slots"]
-                + stats["kv_external_frag_slots"] + stats["kv_free_slots"]) == 32 * 8
+        peak = max(peak, stats.num_requests_running)
+        assert (stats.kv_tokens_stored + stats.kv_reserved_slots + stats.kv_internal_frag_slots
+                + stats.kv_external_frag_slots + stats.kv_free_slots) == 32 * 8
     expected = [hf_greedy(checkpoint.hf_model, p, MAX_TOKENS) for p in prompts]
     assert [tokens[str(i)] for i in range(len(prompts))] == expected
     if allocator == "contiguous-max":
         assert peak == 4  # 32 blocks / 8-block runs
     stats = engine.stats()
-    assert stats["num_blocks_free"] == stats["num_blocks_total"] and stats["kv_token_utilization_perc"] == 0.0
+    assert stats.num_blocks_free == stats.num_blocks_total and stats.kv_token_utilization == 0.0
 
 
 def test_parallel_sampling_is_refused_on_contiguous_allocators(checkpoint):

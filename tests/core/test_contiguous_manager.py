@@ -111,7 +111,7 @@ def test_random_traces_never_overlap_and_free_everything(policy, num_blocks, chu
         _check(sched, memory)
         assert sched.num_preemptions == 0  # everything was reserved up front
     assert not sched.has_unfinished()
-    assert sched.stats().kv.num_used_blocks == 0 and not sched.kv.tables
+    assert sched.stats().num_blocks_used == 0 and not sched.kv.tables
     assert sched.kv.arena.free_runs() == arena_decomposition(num_blocks)
 
 
@@ -173,6 +173,6 @@ def test_abort_returns_the_run(policy="contiguous-oracle"):
     sched = _scheduler(policy)
     sched.add_group(make_group("a", list(range(10))))
     sched.schedule()
-    assert sched.stats().kv.num_used_blocks > 0
+    assert sched.stats().num_blocks_used > 0
     sched.abort("a")
-    assert sched.stats().kv.num_used_blocks == 0 and sched.kv.arena.free_runs() == [(0, 32)]
+    assert sched.stats().num_blocks_used == 0 and sched.kv.arena.free_runs() == [(0, 32)]

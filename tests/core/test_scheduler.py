@@ -69,7 +69,13 @@ def test_unservable_requests_fail_clearly_without_wedging_the_queue(overrides, p
     assert out.failed == [bad] and reason in bad.error
     assert bad.seqs[0].status is SequenceStatus.FINISHED_ERROR
     assert _shape(out) == [("good", 0, 3, True)]
-    assert sched.stats().kv.num_used_blocks == 1
+    assert sched.stats().num_blocks_used == 1
+
+
+def test_without_a_model_the_block_count_must_be_given():
+    with pytest.raises(ValueError, match="without a model, num_device_blocks must be given"):
+        make_scheduler(num_device_blocks=None)
+    assert make_scheduler(num_cpu_blocks=None).config.num_cpu_blocks == 0  # no swap space
 
 
 def test_max_num_seqs_counts_the_n_samples_of_a_request():
@@ -111,7 +117,7 @@ def test_recompute_preemption_evicts_the_latest_arrival_first(caching, r2_start)
     assert [s[0] for s in _shape(out)] == ["r0", "r1"]
     assert sched.waiting[0] is groups[2] and groups[2].seqs[0].status is SequenceStatus.WAITING
     assert groups[2].seqs[0].num_computed_tokens == 0 and groups[2].metrics.num_preemptions == 1
-    assert sched.stats().num_preemptions == 1 and sched.stats().kv.num_free_blocks == 1
+    assert sched.stats().num_preemptions_total == 1 and sched.stats().num_blocks_free == 1
     check_kv_invariants(sched.kv)
     # Once r0 finishes, r2 is re-prefilled: its prompt and its sampled token
     # (the full first block comes from the prefix cache when caching is on).
@@ -127,7 +133,7 @@ def test_latest_arrival_preempts_itself_and_earlier_groups_keep_running():
     sched.finish_seq(groups[0], groups[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
     sched.add_group(make_group("new", list(range(40, 48)), arrival=9))  # 1 block, admitted now
     out = run_step(sched)
-    assert [s[0] for s in _shape(out)] == ["r1", "r2", "new"] and sched.stats().kv.num_free_blocks == 0
+    assert [s[0] for s in _shape(out)] == ["r1", "r2", "new"] and sched.stats().num_blocks_free == 0
     out = run_step(sched)  # "new" needs a 2nd block: the latest arrival preempts itself
     assert out.preempted == [sched.waiting[0]] and sched.waiting[0].request_id == "new"
     assert [s[0] for s in _shape(out)] == ["r1", "r2"]
@@ -142,7 +148,7 @@ def test_swap_preemption_moves_the_victim_to_cpu_and_back_before_admissions():
     assert out.preempted == [groups[2]] and [d for d, _ in out.blocks_to_swap_out] == victim_table
     cpu_ids = [c for _, c in out.blocks_to_swap_out]
     assert groups[2].seqs[0].status is SequenceStatus.SWAPPED and sched.num_swapped == 1
-    assert sched.stats().kv.num_cpu_used_blocks == 1 and sched.stats().num_swapped_out_blocks == 1
+    assert sched.stats().num_cpu_blocks_used == 1 and sched.stats().num_swapped_out_blocks_total == 1
     _check_contents(sched, memory)
     # No room to swap r2 back in (it needs 2 blocks, 1 is free): "late" must not jump ahead.
     sched.add_group(make_group("late", [7, 7, 7], arrival=5))
@@ -153,7 +159,7 @@ def test_swap_preemption_moves_the_victim_to_cpu_and_back_before_admissions():
     out = run_step(sched, memory)
     assert [c for c, _ in out.blocks_to_swap_in] == cpu_ids
     assert _shape(out) == [("r1", 10, 1, True), ("r2", 8, 1, True), ("late", 0, 3, True)]
-    assert sched.stats().num_swapped_in_blocks == 1 and sched.stats().kv.num_cpu_used_blocks == 0
+    assert sched.stats().num_swapped_in_blocks_total == 1 and sched.stats().num_cpu_blocks_used == 0
     _check_contents(sched, memory)
 
 
@@ -167,7 +173,7 @@ def test_abort_frees_every_block_in_every_state():
     assert [g.request_id for g in aborted] == ["r0", "r1", "r2", "w"]
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for g in aborted for s in g.seqs)
     stats = sched.stats()
-    assert stats.kv.num_used_blocks == 0 and stats.kv.num_cpu_used_blocks == 0
+    assert stats.num_blocks_used == 0 and stats.num_cpu_blocks_used == 0
     assert not sched.has_unfinished() and (sched.num_running, sched.num_waiting, sched.num_swapped) == (0, 0, 0)
     check_kv_invariants(sched.kv)
     assert sched.schedule().is_empty
@@ -179,7 +185,7 @@ def test_abort_between_schedule_and_finish_step_is_safe():
     out = sched.schedule()
     sched.abort("a")
     sched.finish_step(out)
-    assert sched.stats().kv.num_used_blocks == 0 and not sched.has_unfinished()
+    assert sched.stats().num_blocks_used == 0 and not sched.has_unfinished()
 
 
 def test_fork_then_decode_emits_one_copy_on_write():
@@ -209,7 +215,7 @@ def test_finished_group_leaves_and_returns_its_blocks():
     assert sched.num_running == 1
     sched.finish_seq(group, child, SequenceStatus.FINISHED_STOPPED)
     assert sched.num_running == 0 and not sched.has_unfinished()
-    assert sched.stats().kv.num_used_blocks == 0
+    assert sched.stats().num_blocks_used == 0
     with pytest.raises(ValueError):
         sched.finish_seq(group, child, SequenceStatus.RUNNING)
 
@@ -227,7 +233,7 @@ def test_prefix_cache_hit_skips_cached_blocks_and_is_counted():
     assert out.scheduled[1].block_table[0] == out.scheduled[0].block_table[0]
     assert second.num_cached_tokens == 8
     stats = sched.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20, 8)
+    assert (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total) == (20, 8)
 
 
 def test_prefix_cache_respects_the_tenant_salt():

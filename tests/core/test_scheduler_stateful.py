@@ -107,8 +107,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_running_seqs = sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.sched.running.values())
         assert num_running_seqs <= self.sched.config.max_num_seqs
         if not self.sched.has_unfinished():
-            stats = self.sched.stats().kv
-            assert stats.num_used_blocks == 0 and stats.num_cpu_used_blocks == 0
+            stats = self.sched.stats()
+            assert stats.num_blocks_used == 0 and stats.num_cpu_blocks_used == 0
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -118,7 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step()
         assert not self.sched.has_unfinished()
-        assert self.sched.stats().kv.num_used_blocks == 0
+        assert self.sched.stats().num_blocks_used == 0
 
 
 SchedulerMachine.TestCase.settings = settings(

@@ -1,6 +1,7 @@
 """LLMEngine's request contract, the demo checkpoint, and loader errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,11 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
+from engine.models.config import context_length, read_model_config
 
 from .conftest import hf_greedy, mixed_prompts
 
 STATS_KEYS = {
-    "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+    "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage",
     "num_blocks_total", "num_blocks_free", "num_blocks_cached", "kv_tokens_stored", "kv_reserved_slots",
     "kv_internal_frag_slots", "kv_external_frag_slots", "kv_free_slots", "num_preemptions_total",
     "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total",
@@ -63,17 +65,17 @@ def test_abort_frees_blocks_and_reports(llama_checkpoint):
     for i, prompt in enumerate(mixed_prompts(3)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
-    used = engine.stats()["num_blocks_used"]
+    used = engine.stats().num_blocks_used
     engine.abort_request("r1")
-    assert engine.stats()["num_blocks_used"] < used
+    assert engine.stats().num_blocks_used < used
     aborted = [o for o in engine.step() if o.request_id == "r1"]
     assert len(aborted) == 1 and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     rest = run_to_end(engine)
     assert "r1" not in {o.request_id for o in rest}
     assert {o.request_id for o in rest if o.finished} == {"r0", "r2"}
     stats = engine.stats()
-    assert STATS_KEYS <= set(stats)
-    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert STATS_KEYS <= {f.name for f in dataclasses.fields(stats)}
+    assert stats.num_blocks_free == stats.num_blocks_total
 
 
 def test_incremental_outputs_add_up(llama_checkpoint):
@@ -111,7 +113,7 @@ def test_failing_batch_fails_its_requests_not_the_engine(llama_checkpoint, monke
     assert failed.finished and failed.outputs[0].finish_reason == "error" and "kernel exploded" in failed.error
     monkeypatch.undo()
     stats = engine.stats()
-    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats.num_blocks_free == stats.num_blocks_total
     engine.add_request("fine", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     assert run_to_end(engine)[-1].outputs[0].finish_reason == "length"
 
@@ -131,7 +133,20 @@ def test_kv_pool_sized_from_bytes(llama_checkpoint):
     engine = make_engine(llama_checkpoint.path, num_device_blocks=None, kv_cache_memory_bytes=1 << 20,
                          swap_space_bytes=1 << 19)
     # Per block: 2 layers x (K, V) x 1 kv head x 16 slots x 64 dims x 4 bytes = 16 KiB.
-    assert engine.config.num_device_blocks == 64 and engine.config.num_cpu_blocks == 32
+    assert engine.config.scheduler.num_device_blocks == 64 and engine.config.scheduler.num_cpu_blocks == 32
+
+
+def test_config_resolved_into_a_new_frozen_object(llama_checkpoint):
+    config = EngineConfig(model=llama_checkpoint.path, attention_backend="torch", kv_cache_memory_bytes=1 << 20,
+                          show_progress=False)
+    before = dataclasses.replace(config)
+    engine = LLMEngine(config)
+    assert config == before  # the user's object is never written to
+    resolved = engine.config
+    assert (resolved.scheduler.max_model_len, resolved.scheduler.num_device_blocks) == (256, 64)
+    assert resolved.tokenizer == resolved.model_config.path == llama_checkpoint.path
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.scheduler.num_device_blocks = 1
 
 
 # ---- the demo checkpoint -----------------------------------------------------------
@@ -143,7 +158,7 @@ def demo_path(tmp_path_factory) -> str:
 def test_demo_model_is_a_real_hf_checkpoint(demo_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_DEMO_MODEL_DIR", demo_path)
     llm = LLM(attention_backend="torch", num_device_blocks=64, show_progress=False)  # no model: the demo one
-    assert llm.engine.model_path == demo_path
+    assert llm.engine.config.model_config.path == demo_path
     tokenizer = transformers.AutoTokenizer.from_pretrained(demo_path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
@@ -184,6 +199,28 @@ def test_unsupported_architecture(broken_copy):
     edit_config(broken_copy, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         make_engine(broken_copy)
+
+
+def test_too_long_max_model_len_fails_before_loading_weights(broken_copy):
+    os.remove(os.path.join(broken_copy, "model.safetensors"))  # loading would fail differently
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds the model's max_position_embeddings"):
+        make_engine(broken_copy, max_model_len=4096)
+
+
+def test_one_context_length_rule(broken_copy):
+    with open(os.path.join(broken_copy, "config.json")) as f:
+        config = json.load(f)
+    del config["max_position_embeddings"]
+    with open(os.path.join(broken_copy, "config.json"), "w") as f:
+        json.dump(config | {"n_positions": 512, "seq_length": 64}, f)
+    assert context_length(broken_copy) == read_model_config(broken_copy).max_position_embeddings == 512
+    edit_config(broken_copy, n_positions=None)
+    assert context_length(broken_copy) == 64
+    edit_config(broken_copy, seq_length="long")
+    with pytest.raises(ValueError, match="names no context length"):
+        context_length(broken_copy)
+    with pytest.raises(ValueError, match="names no context length"):
+        read_model_config(broken_copy)
 
 
 def test_missing_files(broken_copy, tmp_path):

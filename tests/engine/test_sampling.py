@@ -137,7 +137,7 @@ def peak_used_blocks(llm: LLM, requests: list[tuple[list[int], SamplingParams]])
     peak, outputs = 0, []
     while engine.has_unfinished_requests():
         outputs += engine.step()
-        peak = max(peak, engine.stats()["num_blocks_used"])
+        peak = max(peak, engine.stats().num_blocks_used)
     return peak, outputs
 
 

@@ -12,11 +12,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 
 from engine.demo_model import write_demo_model
+from engine.stats import EngineStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_NAME = "pagedserve-demo"
@@ -43,6 +44,11 @@ def get_text(url: str) -> str:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
     with urllib.request.urlopen(request, timeout=5) as response:
         return response.read().decode()
+
+
+def engine_stats(**figures: float) -> EngineStats:
+    """An engine's figures: zero but for ``figures``."""
+    return EngineStats(**{f.name: 0 for f in fields(EngineStats)} | figures)
 
 
 def stop_process(process: subprocess.Popen) -> None:

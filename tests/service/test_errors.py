@@ -12,12 +12,13 @@ from transformers import AutoTokenizer
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from service.broker import WorkerBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.messages import Heartbeat, ReplyEvent
 from service.worker import Worker
-from tests.service.conftest import API_KEY, MODEL_NAME, Stack, free_port, get_json
+from tests.service.conftest import API_KEY, MODEL_NAME, Stack, engine_stats, free_port, get_json
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -93,7 +94,7 @@ def make_gateway(redis: RedisConfig, tokenizer, **overrides) -> Gateway:
 async def fake_heartbeat(redis: RedisConfig) -> WorkerBroker:
     broker = WorkerBroker(redis, "fake-engine", reply_ttl_s=60, heartbeat_ttl_s=30)
     await broker.start()
-    await broker.heartbeat(Heartbeat("fake-engine", "1", MODEL_NAME, 2048, {}))
+    await broker.heartbeat(Heartbeat("fake-engine", "1", MODEL_NAME, 2048, engine_stats()))
     return broker
 
 
@@ -128,7 +129,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
             pulled = (await engine_side.poll(1, block=False))[0]
         await engine_side.publish([(pulled[0].handle, ReplyEvent("accepted", "fake-engine", "1"))])
         # The same engine id beats again, from a new process: the old one's request cannot finish.
-        await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, {}))
+        await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, engine_stats()))
         response = await asyncio.wait_for(pending, 10)
         error = assert_error(response.status, await response.json(), 503)
         assert "fake-engine stopped responding" in error["message"]
@@ -196,8 +197,8 @@ class FakeEngine:
     def has_capacity(self) -> bool:
         return True
 
-    def stats(self) -> dict:
-        return {"num_requests_running": len(self.requests)}
+    def stats(self) -> EngineStats:
+        return engine_stats(num_requests_running=len(self.requests))
 
 
 async def test_failing_request_does_not_stop_the_worker(redis_url: str, prefix: str, demo_tokenizer) -> None:

@@ -1,12 +1,16 @@
 """The Redis wire format: msgpack with a schema version, strict on the way in."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import msgpack
 import pytest
 
 from engine.sampling_params import SamplingParams
-from service.messages import (ChoiceDelta, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode, encode,
-                              params_to_wire)
+from engine.stats import EngineStats
+from service.messages import (SCHEMA_VERSION, ChoiceDelta, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode,
+                              encode, params_to_wire)
+from tests.service.conftest import engine_stats
 
 
 def test_round_trips_and_params_survive() -> None:
@@ -16,16 +20,29 @@ def test_round_trips_and_params_survive() -> None:
     assert back == msg and SamplingParams(**back.params) == params
     event = ReplyEvent("output", "e1", "i1", [ChoiceDelta(1, [5], [[[5, -0.1], [6, -2.0]]], "stop")], True, 4)
     assert decode(ReplyEvent, encode(event)) == event
-    beat = Heartbeat("e1", "i1", "m", 2048, {"num_blocks_free": 3, "kv_cache_usage_perc": 0.25})
+    beat = Heartbeat("e1", "i1", "m", 2048, engine_stats(num_blocks_free=3, kv_cache_usage=0.25))
     assert decode(Heartbeat, encode(beat)) == beat
+    assert msgpack.unpackb(encode(beat))["stats"]["kv_cache_usage"] == 0.25  # a plain map of field names
+
+
+_STATS = {f.name: 0 for f in fields(EngineStats)}
+_BEAT = {"v": SCHEMA_VERSION, "engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1,
+         "stats": _STATS}
+
+
+def test_a_well_formed_heartbeat_decodes() -> None:  # so each bad payload below fails for its own reason
+    assert decode(Heartbeat, msgpack.packb(_BEAT)).stats == EngineStats(**_STATS)
 
 
 @pytest.mark.parametrize("payload", [
-    msgpack.packb({"v": 2, "engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1, "stats": {}}),  # newer schema
-    msgpack.packb({"engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1, "stats": {}}),  # no version
-    msgpack.packb({"v": 1, "engine_id": "e", "incarnation": "i", "model": "m", "max_model_len": 1, "stats": {},
-                   "x": 1}),
-    msgpack.packb({"v": 1, "engine_id": "e"}),  # missing fields
+    msgpack.packb(_BEAT | {"v": SCHEMA_VERSION + 1}),  # newer schema
+    msgpack.packb(_BEAT | {"v": SCHEMA_VERSION - 1}),  # older schema: its figures had other names
+    msgpack.packb({k: v for k, v in _BEAT.items() if k != "v"}),  # no version
+    msgpack.packb(_BEAT | {"x": 1}),
+    msgpack.packb({"v": SCHEMA_VERSION, "engine_id": "e"}),  # missing fields
+    msgpack.packb(_BEAT | {"stats": _STATS | {"kv_cache_usage_perc": 0.5}}),  # an unknown figure
+    msgpack.packb(_BEAT | {"stats": {"num_blocks_free": 3}}),  # missing figures
+    msgpack.packb(_BEAT | {"stats": [1, 2]}),  # figures not a map
     msgpack.packb([1, 2]), b"\xc1",  # not a map; not msgpack
 ])
 def test_bad_payloads_are_schema_errors(payload: bytes) -> None:

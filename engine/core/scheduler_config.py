@@ -1,0 +1,33 @@
+"""What the scheduler and its KV manager read: an ``EngineConfig``'s scheduling fields, resolved."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from engine.config import EngineConfig, KVAllocator, PreemptionMode
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int
+    num_device_blocks: int
+    num_cpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None  # None only without a model, where nothing caps a sequence
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    preemption_mode: PreemptionMode
+    kv_allocator: KVAllocator
+
+    @classmethod
+    def resolved(cls, config: EngineConfig, **values: int) -> SchedulerConfig:
+        """``config``'s scheduling fields, with the resolved ``values`` in place of its own."""
+        return cls(**({f.name: getattr(config, f.name) for f in fields(cls)} | values))
+
+    @classmethod
+    def without_model(cls, config: EngineConfig) -> SchedulerConfig:
+        """For the scheduler alone (its tests, the paper's simulation): no checkpoint
+        sizes the pools, so ``config`` must give the device block count."""
+        if config.num_device_blocks is None:
+            raise ValueError("without a model, num_device_blocks must be given")
+        return cls.resolved(config, num_cpu_blocks=config.num_cpu_blocks or 0)

@@ -1,0 +1,81 @@
+"""An ``EngineConfig`` resolved against its checkpoint, once, into frozen values with nothing left open
+(the model, context length and KV block counts); the user's ``EngineConfig`` is never written to."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.scheduler_config import SchedulerConfig
+from engine.demo_model import ensure_demo_model
+from engine.models.config import ModelConfig, read_model_config, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """What the engine, its model runner and the offline ``LLM`` read after construction."""
+
+    model_config: ModelConfig  # its path: the checkpoint in use (the demo model when none was given)
+    tokenizer: str  # the model's folder unless the config names another
+    dtype: torch.dtype
+    device: torch.device
+    scheduler: SchedulerConfig
+    show_progress: bool
+
+
+def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.device, torch.dtype], M]
+                   ) -> tuple[ResolvedConfig, M]:
+    """Resolve ``config`` against its checkpoint and load the weights with ``load``: after the
+    checks, so a bad config fails before a long load, and before the KV pools are sized, so
+    a memory fraction is a share of what the weights left free."""
+    model_config = read_model_config(config.model or ensure_demo_model())
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, model_config.dtype, device.type)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                         f"({model_config.max_position_embeddings})")
+    model = load(model_config, device, dtype)
+    num_device_blocks, num_cpu_blocks = _kv_blocks(config, model_config.kv_elements_per_token * dtype.itemsize,
+                                                   max_model_len, device)
+    scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
+                                         max_model_len=max_model_len)
+    resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
+                              config.show_progress)
+    return resolved, model
+
+
+def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device) -> tuple[int, int]:
+    """Device and CPU block counts; those not given come from the byte budgets. The device pool
+    is capped at what ``max_num_seqs`` full-length sequences could ever use: more blocks would
+    only idle (and on CPU, be zeroed for nothing)."""
+    block_bytes = token_bytes * config.block_size
+    num_device_blocks = config.num_device_blocks
+    if num_device_blocks is None:
+        budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction)
+        num_device_blocks = min(budget // block_bytes, config.max_num_seqs * -(-max_model_len // config.block_size))
+        if num_device_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
+    num_cpu_blocks = config.num_cpu_blocks
+    if num_cpu_blocks is None:
+        num_cpu_blocks = min(config.swap_space_bytes // block_bytes, num_device_blocks)
+    logger.info("KV cache: %d device blocks and %d CPU swap blocks of %d tokens (%.1f MiB per block)",
+                num_device_blocks, num_cpu_blocks, config.block_size, block_bytes / 2**20)
+    return num_device_blocks, num_cpu_blocks
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
