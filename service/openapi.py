@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from engine.sampling_params import SamplingParams, value_type
+from engine.field_specs import value_type
+from engine.sampling_params import SamplingParams
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
@@ -14,7 +15,7 @@ _PARAMS = {f.name: f for f in fields(SamplingParams)}
 
 def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
     """A SamplingParams field's schema: its type, bounds and default."""
-    kind = value_type(f.name)
+    kind = value_type(SamplingParams, f.name)
     schema: dict[str, Any] = {"type": "array", "items": {"type": "integer"}} if kind is list \
         else {"type": _JSON_TYPES[kind]}
     if (bounds := f.metadata.get("bounds")) is not None:

@@ -9,7 +9,8 @@ import logging
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from engine.sampling_params import SamplingParams, value_type
+from engine.field_specs import value_type
+from engine.sampling_params import SamplingParams
 
 from service.config import GatewayConfig
 
@@ -213,7 +214,7 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
 
 def _read(body: dict[str, Any], f: Field) -> Any:
     """A SamplingParams field as the body gives it, else its default."""
-    return _get(body, f.name, value_type(f.name), f.default)
+    return _get(body, f.name, value_type(SamplingParams, f.name), f.default)
 
 
 def _check_cap(name: str, value: int, cap: int) -> None:
