@@ -1,4 +1,4 @@
-"""Redis streams between gateways and engine workers (DESIGN.md §5).
+"""Redis streams between gateways and engine workers.
 
 Keys under one prefix:
   {p}:requests        stream of RequestMsg, consumer group "engines"; an entry is

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from redis.exceptions import RedisError
 
@@ -31,6 +31,7 @@ _RETRY_S = 0.5
 Published = list[tuple[RequestHandle, ReplyEvent]]
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What the worker needs of an engine; ``LLMEngine`` is one. Never called
     while a step runs: the worker steps it on one thread and reads it between steps."""
