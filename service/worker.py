@@ -221,4 +221,3 @@ class Worker:
             pass
         await self.broker.close()
         self._executor.shutdown(wait=True)
-
