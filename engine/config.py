@@ -1,8 +1,12 @@
-"""The engine's one configuration object, as the user writes it."""
+"""The engine's one configuration object, as the user writes it (the engine never writes to it).
+Each field declares its valid values once (``spec``); one with a ``help`` is a command-line
+option (service/flags.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from engine.field_specs import check_fields, spec
 
 PreemptionMode = Literal["recompute", "swap"]
 AttentionBackend = Literal["ext", "torch"]
@@ -20,47 +24,29 @@ class EngineConfig:
     and ``swap_space_bytes``) into a separate frozen ``ResolvedConfig``.
     """
 
-    model: str | None = None
+    model: str | None = spec(help="Hugging Face checkpoint folder (default: the built-in demo model, which "
+                                  "generates noise)", group="model")
     tokenizer: str | None = None
-    block_size: int = 16
-    num_device_blocks: int | None = None
-    num_cpu_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.5
-    swap_space_bytes: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: PreemptionMode = "recompute"
-    dtype: str = "auto"
-    device: str = "cpu"
-    attention_backend: AttentionBackend = "ext"
-    kv_allocator: KVAllocator = "paged"
-    seed: int = 0
-    num_threads: int | None = None
-    show_progress: bool = True
+    block_size: int = spec(16, help="KV block size in tokens", choices=(8, 16, 32, 64, 128))
+    num_device_blocks: int | None = spec(low=1, help="KV blocks on the device (overrides the memory options)")
+    num_cpu_blocks: int | None = spec(low=0)
+    kv_cache_memory_bytes: int | None = spec(low=1, help="KV cache size (default: a fraction of free memory)")
+    kv_cache_memory_fraction: float = spec(0.5, low=0, high=1, low_open=True,
+                                           help="share of free memory for the KV cache")
+    swap_space_bytes: int = spec(0, low=0, help="CPU swap space for preempted sequences")
+    max_num_seqs: int = spec(256, low=1, help="sequences per batch")
+    max_num_batched_tokens: int = spec(2048, low=1, help="tokens per step")
+    max_model_len: int | None = spec(low=1, help="context length (default: the checkpoint's)", group="model")
+    enable_prefix_caching: bool = spec(True, help="disable prefix caching", flag="--no-prefix-caching")
+    enable_chunked_prefill: bool = spec(True, help="disable chunked prefill", flag="--no-chunked-prefill")
+    preemption_mode: PreemptionMode = spec("recompute", help="what to do with a preempted sequence")
+    dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
+    device: str = spec("cpu", help="torch device")
+    attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
+    kv_allocator: KVAllocator = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
+    seed: int = spec(0, help="engine sampling seed")
+    num_threads: int | None = spec(help="torch CPU threads")
+    show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_device_blocks", "kv_cache_memory_bytes", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.attention_backend not in ("ext", "torch"):
-            raise ValueError(f"attention_backend must be 'ext' or 'torch', got {self.attention_backend!r}")
-        if self.kv_allocator not in ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"):
-            raise ValueError(f"unknown kv_allocator {self.kv_allocator!r}")
+        check_fields(self)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# One entry per generated token: the sampled token's logprob plus the top-k
-# alternatives, keyed by token id (vLLM's shape).
-TokenLogprobs = dict[int, float]
+# One entry per generated token: (token_id, logprob) pairs, the sampled token
+# first, then the top alternatives by falling logprob (the sampled token may
+# appear again among them).
+TokenLogprobs = list[tuple[int, float]]
 
 
 @dataclass(slots=True)

@@ -136,7 +136,5 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int],
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # one device->host copy each, not one per row
     for row, i in enumerate(wanted):
         n = params[i].logprobs
-        entry = dict(zip(top_ids[row][:n], top_lp[row][:n]))
-        entry[token_ids[i]] = chosen[row]
-        result[i] = entry
+        result[i] = [(token_ids[i], chosen[row]), *zip(top_ids[row][:n], top_lp[row][:n])]
     return result

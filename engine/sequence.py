@@ -70,7 +70,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs.get(token_id, 0.0)
+            self.cumulative_logprob += logprobs[0][1]  # the sampled token's
 
     def reset_for_recompute(self) -> None:
         """Recompute preemption: the K/V is dropped, tokens are kept."""

@@ -5,7 +5,7 @@ the same engine run offline on the same trace, in the same run.
         [--num-requests 64] [--request-rate inf | R] [--max-concurrency C] [--model PATH]
 
 Trace: loadtest.bench_offline's synthetic workloads (log-normal lengths with the
-ShareGPT / Alpaca means of DESIGN.md §6, random token ids, ``ignore_eos``, greedy).
+ShareGPT- / Alpaca-like means given there, random token ids, ``ignore_eos``, greedy).
 Arrivals: Poisson at ``--request-rate`` requests/s (``inf``: all at once), optionally
 capped at ``--max-concurrency`` requests in flight. Streaming completions; TTFT is the
 first chunk carrying text or tokens, ITL the gaps between chunks, TPOT
@@ -37,6 +37,7 @@ import aiohttp
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
 from loadtest.bench_offline import Request, make_workload
+from service.flags import add_engine_flags, engine_argv, engine_options
 
 MODEL_NAME = "bench"
 
@@ -52,34 +53,21 @@ class RequestStats:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder (default: the demo model)")
     p.add_argument("--workload", choices=["alpaca", "sharegpt"], default="alpaca")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, requests/s")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight")
-    p.add_argument("--num-threads", type=int, default=1,
-                   help="torch threads of the engine (leave cores for the gateway, Redis and this client)")
-    p.add_argument("--attention-backend", choices=["ext", "torch"], default="ext")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-device-blocks", type=int, default=4096, help="KV blocks (both runs)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    for section in ("model", "engine"):  # the worker's, for both runs; --seed also seeds the trace
+        add_engine_flags(p.add_argument_group(section), section)
+    # One torch thread leaves cores for the gateway, Redis and this client; no prefix caching: the
+    # trace's prompts are random, and both runs should do the same work.
+    p.set_defaults(num_threads=1, num_device_blocks=4096, enable_prefix_caching=False)
     return p.parse_args()
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    return EngineConfig(model=model, attention_backend=args.attention_backend, num_threads=args.num_threads,
-                        num_device_blocks=args.num_device_blocks,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=False, show_progress=False)
-
-
-def worker_flags(config: EngineConfig) -> list[str]:
-    return ["--attention-backend", config.attention_backend, "--num-threads", str(config.num_threads),
-            "--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens",
-            str(config.max_num_batched_tokens), "--num-device-blocks", str(config.num_device_blocks),
-            "--no-prefix-caching"]
+    return EngineConfig(**{**engine_options(args), "model": model}, show_progress=False)
 
 
 def warm_up(requests: list[Request]) -> list[Request]:
@@ -127,13 +115,12 @@ class ServedStack:
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.url = f"http://127.0.0.1:{http_port}"
         cli = [sys.executable, "-m", "service.cli"]
-        common = ["--redis-url", redis_url, "--model", model, "--served-model-name", MODEL_NAME,
-                  "--log-level", "WARNING"]
+        common = ["--redis-url", redis_url, "--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
         self.processes = [
             subprocess.Popen(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no",
                               "--dir", self.workdir], stdout=subprocess.DEVNULL),
-            subprocess.Popen(cli + ["worker"] + common + worker_flags(config)),
-            subprocess.Popen(cli + ["gateway"] + common + ["--port", str(http_port),
+            subprocess.Popen(cli + ["worker"] + common + engine_argv(config)),  # with its --model
+            subprocess.Popen(cli + ["gateway"] + common + ["--model", model, "--port", str(http_port),
                                                            "--max-pending-requests", "100000"]),
         ]
 

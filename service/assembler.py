@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.outputs import TokenLogprobs
+
 from service.messages import ChoiceDelta
 from service.tokenization import IncrementalDetokenizer, StopStringFilter
 
@@ -17,7 +19,7 @@ class ChoiceUpdate:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[list[list[int | float]]] | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
 
 

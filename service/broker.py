@@ -1,4 +1,4 @@
-"""Redis streams between gateways and engine workers (DESIGN.md §5).
+"""Redis streams between gateways and engine workers.
 
 Keys under one prefix:
   {p}:requests        stream of RequestMsg, consumer group "engines"; an entry is
@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from service.config import RedisConfig
-from service.messages import Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode, encode
+from service.messages import EventKind, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ class GatewayBroker:
             try:
                 event = decode(ReplyEvent, fields[b"p"])
             except (SchemaError, KeyError) as exc:
-                event = ReplyEvent("error", "", finished=True, error=f"bad reply from engine: {exc}")
-            if event.kind == "accepted":
+                event = ReplyEvent(EventKind.ERROR, "", finished=True, error=f"bad reply from engine: {exc}")
+            if event.kind is EventKind.ACCEPTED:
                 sub.owner = (event.engine_id, event.incarnation)
             sub.queue.put_nowait(event)
 
@@ -200,7 +200,7 @@ class GatewayBroker:
             reason = f"engine {engine_id} stopped responding" if engine_id else "no engine is available"
             if not self.redis_ok:
                 reason = "the broker (Redis) is unreachable"
-            sub.queue.put_nowait(ReplyEvent("error", engine_id, finished=True, error=reason, status=503))
+            sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, engine_id, finished=True, error=reason, status=503))
             self._subs.pop(request_id)
 
     def _owner_alive(self, owner: tuple[str, str] | None) -> bool:
@@ -294,7 +294,7 @@ class WorkerBroker:
         for handle, event in items:
             reply = self._keys.reply(handle.request_id)
             pipe.xadd(reply, {"p": encode(event)})
-            if event.kind == "accepted":
+            if event.kind is EventKind.ACCEPTED:
                 pipe.expire(reply, _UNFINISHED_TTL_S)
                 wake = self._keys.wake(handle.gateway_id)
                 pipe.xadd(wake, {"r": handle.request_id}, maxlen=_WAKE_MAXLEN)

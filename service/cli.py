@@ -2,7 +2,7 @@
 
 Every flag has an environment twin, PAGEDSERVE_<FLAG> (dashes as underscores);
 the flag wins when both are given. Repeatable flags take a comma-separated list
-from the environment.
+from the environment. The engine's flags are EngineConfig's fields.
 """
 from __future__ import annotations
 
@@ -23,97 +23,58 @@ from typing import Any
 from engine.config import EngineConfig
 
 from service.config import GatewayConfig, RedisConfig, WorkerConfig, served_name
+from service.flags import add_engine_flags, add_flag, changed_flags, engine_options, env_name
 
 log = logging.getLogger("pagedserve")
 
-_TRUE = {"1", "true", "yes", "on"}
 _REDIS_HELP = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: sudo apt-get install -y "
                "redis-server; macOS: brew install redis), or run 'pagedserve gateway' and 'pagedserve worker' "
                "against an existing Redis with --redis-url.")
 
 
-def _env_name(flag: str) -> str:
-    return "PAGEDSERVE_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def _opt(group: Any, flag: str, help: str, **kwargs: Any) -> None:
-    """Adds a flag whose default comes from its environment twin."""
-    env = _env_name(flag)
-    raw = os.environ.get(env)
-    action = kwargs.get("action")
-    if raw is not None:
-        if action == "store_true":
-            kwargs["default"] = raw.strip().lower() in _TRUE
-        elif action == "append":
-            kwargs["default"] = [v for v in raw.split(",") if v]
-        else:
-            kwargs["default"] = kwargs.get("type", str)(raw)
-    shown = "" if action in ("store_true", "append") or kwargs.get("default") is None else " (default: %(default)s)"
-    group.add_argument(flag, help=f"{help}{shown} [env {env}]", **kwargs)
-
-
 def _redis_flags(parser: argparse.ArgumentParser, with_url: bool = True) -> None:
     g = parser.add_argument_group("broker")
     if with_url:
-        _opt(g, "--redis-url", "Redis URL (redis://host:port/db, rediss://, unix:///path.sock)",
-             default="redis://127.0.0.1:6379/0")
-    _opt(g, "--redis-prefix", "key prefix, to share one Redis between deployments", default="pagedserve")
-    _opt(g, "--redis-block-ms", "blocking-read time of the broker loops", type=int, default=1000)
+        add_flag(g, "--redis-url", "Redis URL (redis://host:port/db, rediss://, unix:///path.sock)",
+                 default="redis://127.0.0.1:6379/0")
+    add_flag(g, "--redis-prefix", "key prefix, to share one Redis between deployments", default="pagedserve")
+    add_flag(g, "--redis-block-ms", "blocking-read time of the broker loops", type=int, default=1000)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
-    _opt(g, "--model", "Hugging Face checkpoint folder (default: the built-in demo model, which generates noise)")
-    _opt(g, "--served-model-name", "name clients send as 'model' (default: the folder's name, or pagedserve-demo)")
-    _opt(g, "--max-model-len", "context length (default: the checkpoint's)", type=int)
+    add_engine_flags(g, "model")
+    add_flag(g, "--served-model-name", "name clients send as 'model' (default: the folder's name, or pagedserve-demo)")
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("gateway")
-    _opt(g, "--host", "address to listen on", default="127.0.0.1")
-    _opt(g, "--port", "HTTP port", type=int, default=8000)
-    _opt(g, "--api-key", "accepted API key, repeatable (Authorization: Bearer <key>); none: no auth",
-         action="append", default=[])
-    _opt(g, "--cors-origin", "allowed CORS origin, repeatable ('*' for any)", action="append", default=[])
-    _opt(g, "--max-body-bytes", "request body limit (413 above)", type=int, default=1 << 20)
-    _opt(g, "--max-pending-requests", "requests waiting for an engine before 429", type=int, default=256)
-    _opt(g, "--max-n", "largest n accepted", type=int, default=16)
-    _opt(g, "--max-stop-strings", "most stop strings per request", type=int, default=16)
-    _opt(g, "--max-logprobs", "largest logprobs / top_logprobs accepted", type=int, default=20)
+    add_flag(g, "--host", "address to listen on", default="127.0.0.1")
+    add_flag(g, "--port", "HTTP port", type=int, default=8000)
+    add_flag(g, "--api-key", "accepted API key, repeatable (Authorization: Bearer <key>); none: no auth",
+             action="append", default=[])
+    add_flag(g, "--cors-origin", "allowed CORS origin, repeatable ('*' for any)", action="append", default=[])
+    add_flag(g, "--max-body-bytes", "request body limit (413 above)", type=int, default=1 << 20)
+    add_flag(g, "--max-pending-requests", "requests waiting for an engine before 429", type=int, default=256)
+    add_flag(g, "--max-n", "largest n accepted", type=int, default=16)
+    add_flag(g, "--max-stop-strings", "most stop strings per request", type=int, default=16)
+    add_flag(g, "--max-logprobs", "largest logprobs / top_logprobs accepted", type=int, default=20)
 
 
 def _worker_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    _opt(g, "--block-size", "KV block size in tokens", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    _opt(g, "--kv-cache-memory-bytes", "KV cache size (default: a fraction of free memory)", type=int)
-    _opt(g, "--kv-cache-memory-fraction", "share of free memory for the KV cache", type=float, default=0.5)
-    _opt(g, "--num-device-blocks", "KV blocks on the device (overrides the memory options)", type=int)
-    _opt(g, "--swap-space-bytes", "CPU swap space for preempted sequences", type=int, default=0)
-    _opt(g, "--max-num-seqs", "sequences per batch", type=int, default=256)
-    _opt(g, "--max-num-batched-tokens", "tokens per step", type=int, default=2048)
-    _opt(g, "--preemption-mode", "what to do with a preempted sequence", default="recompute",
-         choices=["recompute", "swap"])
-    _opt(g, "--dtype", "weights/activations dtype (auto, float32, bfloat16, float16)", default="auto")
-    _opt(g, "--device", "torch device", default="cpu")
-    _opt(g, "--attention-backend", "paged attention implementation", default="ext", choices=["ext", "torch"])
-    _opt(g, "--kv-allocator", "KV allocator (paged, or the paper's contiguous baselines)", default="paged",
-         choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"])
-    _opt(g, "--no-prefix-caching", "disable prefix caching", action="store_true")
-    _opt(g, "--no-chunked-prefill", "disable chunked prefill", action="store_true")
-    _opt(g, "--num-threads", "torch CPU threads", type=int)
-    _opt(g, "--seed", "engine sampling seed", type=int, default=0)
+    add_engine_flags(parser.add_argument_group("engine"), "engine")
     w = parser.add_argument_group("worker")
-    _opt(w, "--engine-id", "this engine's consumer name (default: hostname-pid)", default="")
-    _opt(w, "--heartbeat-interval", "seconds between heartbeats", type=float, default=0.5)
-    _opt(w, "--heartbeat-ttl", "seconds after the last heartbeat when gateways give up on this engine",
-         type=float, default=3.0)
-    _opt(w, "--reply-ttl", "seconds a finished request's reply stream stays readable", type=int, default=300)
-    _opt(w, "--max-pull", "most new requests taken per step", type=int, default=8)
+    add_flag(w, "--engine-id", "this engine's consumer name (default: hostname-pid)", default="")
+    add_flag(w, "--heartbeat-interval", "seconds between heartbeats", type=float, default=0.5)
+    add_flag(w, "--heartbeat-ttl", "seconds after the last heartbeat when gateways give up on this engine",
+             type=float, default=3.0)
+    add_flag(w, "--reply-ttl", "seconds a finished request's reply stream stays readable", type=int, default=300)
+    add_flag(w, "--max-pull", "most new requests taken per step", type=int, default=8)
 
 
 def _common_flags(parser: argparse.ArgumentParser) -> None:
-    _opt(parser, "--log-level", "logging level", default="INFO",
-         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_flag(parser, "--log-level", "logging level", default="INFO",
+             choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 _LAYOUTS: dict[str, tuple[str, list[Callable[[argparse.ArgumentParser], None]]]] = {
@@ -155,15 +116,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    engine = EngineConfig(
-        model=args.model, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction, num_device_blocks=args.num_device_blocks,
-        swap_space_bytes=args.swap_space_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        preemption_mode=args.preemption_mode, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, kv_allocator=args.kv_allocator, seed=args.seed,
-        num_threads=args.num_threads, show_progress=False)
+    engine = EngineConfig(**engine_options(args), show_progress=False)
     return WorkerConfig(redis=redis_config(args), engine=engine, engine_id=args.engine_id,
                         served_model_name=args.served_model_name, heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_ttl_s=args.heartbeat_ttl, reply_ttl_s=args.reply_ttl, max_pull=args.max_pull)
@@ -243,7 +196,7 @@ def _serve_all(args: argparse.Namespace) -> int:
         return 1
     workdir = tempfile.mkdtemp(prefix="pagedserve-")
     socket_path = os.path.join(workdir, "redis.sock")
-    env = {**os.environ, _env_name("--api-key"): ",".join(args.api_key)}
+    env = {**os.environ, env_name("--api-key"): ",".join(args.api_key)}
     children = [subprocess.Popen([redis_server, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm",
                                   "700", "--save", "", "--appendonly", "no", "--loglevel", "warning"],
                                  preexec_fn=_detach_but_die_with_parent)]
@@ -275,17 +228,7 @@ def _child_argv(args: argparse.Namespace, command: str) -> list[str]:
     parser = argparse.ArgumentParser(add_help=False)
     for add in _LAYOUTS[command][1]:
         add(parser)
-    out: list[str] = []
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if action.dest in _NOT_FORWARDED or value is None or value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if action.nargs == 0:
-            out.append(flag)
-        else:
-            out += [x for v in (value if isinstance(value, list) else [value]) for x in (flag, str(v))]
-    return out
+    return changed_flags(parser, {k: v for k, v in vars(args).items() if k not in _NOT_FORWARDED})
 
 
 def _wait_for_path(path: str, process: subprocess.Popen, timeout_s: float = 10.0) -> None:

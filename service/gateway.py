@@ -18,7 +18,7 @@ from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
 from service.broker import BrokerUnavailable, GatewayBroker
 from service.config import GatewayConfig
-from service.messages import ReplyEvent, RequestMsg, params_to_wire
+from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
 from service.openapi import openapi_document
 from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion
@@ -234,9 +234,9 @@ class _Run:
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         while not self.assembler.finished:
             event = await self._next_event()
-            if event.kind == "accepted":
+            if event.kind is EventKind.ACCEPTED:
                 continue
-            if event.kind == "error":
+            if event.kind is EventKind.ERROR:
                 self.engine_done = True
                 raise APIError(event.status, event.error or "the engine failed this request",
                                code="engine_error" if event.status >= 500 else None)

@@ -6,11 +6,13 @@ different releases fail loudly instead of misreading each other.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import msgpack
 
+from engine.outputs import TokenLogprobs
 from engine.stats import EngineStats
 
 SCHEMA_VERSION = 2  # 2: a Heartbeat's figures are EngineStats fields
@@ -36,25 +38,30 @@ class RequestMsg:
 
 @dataclass(slots=True)
 class ChoiceDelta:
-    """New tokens of one choice since the previous event. ``logprobs`` holds
-    one ``[[token_id, logprob], ...]`` list per new token (msgpack maps with
-    int keys are avoided on purpose)."""
+    """New tokens of one choice since the previous event. ``logprobs`` holds one
+    list of ``(token_id, logprob)`` pairs per new token, the engine's
+    ``TokenLogprobs`` (msgpack carries the pairs as 2-lists; maps with int keys
+    are avoided on purpose)."""
 
     index: int
     token_ids: list[int]
-    logprobs: list[list[list[int | float]]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
+
+
+class EventKind(enum.StrEnum):
+    """What a ReplyEvent says; travels as its string value."""
+
+    ACCEPTED = "accepted"  # an engine owns the request now
+    OUTPUT = "output"  # token deltas
+    ERROR = "error"  # the request failed; ``status`` is an HTTP-like code
 
 
 @dataclass(slots=True)
 class ReplyEvent:
-    """One event on a request's reply stream, worker -> gateway.
+    """One event on a request's reply stream, worker -> gateway."""
 
-    kind: "accepted" (an engine owns the request now), "output" (token deltas),
-    or "error" (the request failed; ``status`` is an HTTP-like code).
-    """
-
-    kind: str
+    kind: EventKind
     engine_id: str
     incarnation: str = ""  # of the engine process, see Heartbeat
     choices: list[ChoiceDelta] = field(default_factory=list)
@@ -62,6 +69,9 @@ class ReplyEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     status: int = 500
+
+    def __post_init__(self) -> None:
+        self.kind = EventKind(self.kind)  # a decoded event carries the plain string
 
 
 @dataclass(slots=True)
@@ -123,5 +133,5 @@ def _from_fields(cls: type[T], body: Any) -> T:
         raise SchemaError(f"{cls.__name__} has unknown fields {sorted(unknown)}")
     try:
         return cls(**body)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise SchemaError(f"{cls.__name__}: {exc}") from exc

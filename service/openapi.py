@@ -1,32 +1,48 @@
 """The OpenAPI 3.1 document served at /openapi.json (the routes and their
-main fields; the full field semantics are OpenAI's, as read by vLLM)."""
+main fields; the full field semantics are OpenAI's, as read by vLLM). The
+sampling fields' types, bounds and defaults come from SamplingParams."""
 from __future__ import annotations
 
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from engine.field_specs import value_type
+from engine.sampling_params import SamplingParams
+
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
+_PARAMS = {f.name: f for f in fields(SamplingParams)}
+
+
+def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
+    """A SamplingParams field's schema: its type, bounds and default."""
+    kind = value_type(SamplingParams, f.name)
+    schema: dict[str, Any] = {"type": "array", "items": {"type": "integer"}} if kind is list \
+        else {"type": _JSON_TYPES[kind]}
+    if (bounds := f.metadata.get("bounds")) is not None:
+        if bounds.low is not None:
+            schema["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.low
+        if bounds.high is not None:
+            schema["maximum"] = bounds.high
+    if with_default and f.default not in (None, MISSING):
+        schema["default"] = f.default
+    return schema
+
+
+_MAX_TOKENS = _param(_PARAMS["max_tokens"], with_default=False)  # chat's default is "up to the context"
 _SAMPLING = {
+    **{name: _param(f) for name, f in _PARAMS.items() if name != "logprobs"}, "max_tokens": _MAX_TOKENS,
     "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"type": "integer", "minimum": 1, "default": 1}, "seed": {"type": "integer", "minimum": 0},
-    "temperature": {"type": "number", "minimum": 0, "default": 1.0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-    "top_k": {"type": "integer", "default": -1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-    "max_tokens": {"type": "integer", "minimum": 1}, "min_tokens": {"type": "integer", "minimum": 0},
-    "ignore_eos": {"type": "boolean"},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
     "include_stop_str_in_output": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
     "user": {"type": "string"}, "cache_salt": {"type": "string"},
 }
 _CHAT = {**_SAMPLING, "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"]}},
-         "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": {"type": "boolean"},
-         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}
+         "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},
+         "top_logprobs": _param(_PARAMS["logprobs"])}
 _COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [{"type": "string"},
                                                  {"type": "array", "items": {"type": "integer"}}]},
-               "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}
+               "logprobs": _param(_PARAMS["logprobs"])}
 _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}

@@ -6,9 +6,10 @@ Everything a client can get wrong is caught here and raised as ``APIError``
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from engine.field_specs import value_type
 from engine.sampling_params import SamplingParams
 
 from service.config import GatewayConfig
@@ -18,13 +19,14 @@ log = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                 503: "service_unavailable_error"}
-_MAX_SEED = 2**63 - 1
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+_PARAMS = {f.name: f for f in fields(SamplingParams)}
+# SamplingParams fields read by hand below (caps, aliases, chat's boolean logprobs); a body sets every
+# other one under its own name, with its type and default.
+_BY_HAND = {"n", "max_tokens", "logprobs", "stop_token_ids"}
 # Fields that exist in the OpenAI API and are read below; anything else is logged and ignored.
-_COMMON = {"model", "stream", "stream_options", "n", "seed", "temperature", "top_p", "top_k", "min_p",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
-           "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-           "logprobs", "user", "best_of", "use_beam_search", "logit_bias", "cache_salt"}
+_COMMON = set(_PARAMS) | {"model", "stream", "stream_options", "stop", "include_stop_str_in_output",
+                          "skip_special_tokens", "user", "best_of", "use_beam_search", "logit_bias", "cache_salt"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "tools", "tool_choice", "functions", "response_format"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
@@ -97,7 +99,7 @@ def parse_completion(body: Any, config: GatewayConfig) -> GenerationRequest:
         raise APIError(400, "echo is not supported by this server", param="echo")
     if _get(body, "suffix", str, None):
         raise APIError(400, "suffix is not supported by this server", param="suffix")
-    request = _parse_common(body, config, chat=False, max_tokens=_get(body, "max_tokens", int, 16),
+    request = _parse_common(body, config, chat=False, max_tokens=_read(body, _PARAMS["max_tokens"]),
                             logprobs=_get(body, "logprobs", int, None))
     request.prompt = _parse_prompt(body.get("prompt"))
     return request
@@ -108,19 +110,16 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
     model = _get(body, "model", str, None)
     if model is None:
         raise APIError(400, "'model' is required", param="model")
-    n = _get(body, "n", int, 1)
+    n = _read(body, _PARAMS["n"])
     _check_cap("n", n, config.max_n)
     if logprobs is not None:
         _check_cap("top_logprobs" if chat else "logprobs", logprobs, config.max_logprobs)
     best_of = _get(body, "best_of", int, None)
     if best_of is not None and best_of != n:
         raise APIError(400, "best_of different from n is not supported", param="best_of")
-    seed = _get(body, "seed", int, None)
-    if seed is not None and not 0 <= seed <= _MAX_SEED:
-        raise APIError(400, f"seed must be in [0, {_MAX_SEED}]", param="seed")
     stream = _get(body, "stream", bool, False)
     return GenerationRequest(
-        chat=chat, model=model, stream=stream, params=_sampling_params(body, n, seed, max_tokens, logprobs),
+        chat=chat, model=model, stream=stream, params=_sampling_params(body, n, max_tokens, logprobs),
         stop=_parse_stop(body.get("stop"), config),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
@@ -128,20 +127,13 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
         want_logprobs=logprobs is not None, cache_salt=_get(body, "cache_salt", str, None))
 
 
-def _sampling_params(body: dict[str, Any], n: int, seed: int | None, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
     try:
-        return SamplingParams(
-            n=n, seed=seed, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=stop_ids,
-            temperature=_get(body, "temperature", float, 1.0), top_p=_get(body, "top_p", float, 1.0),
-            top_k=_get(body, "top_k", int, -1), min_p=_get(body, "min_p", float, 0.0),
-            presence_penalty=_get(body, "presence_penalty", float, 0.0),
-            frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
-            repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
-            min_tokens=_get(body, "min_tokens", int, 0), ignore_eos=_get(body, "ignore_eos", bool, False))
+        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=stop_ids,
+                              **{name: _read(body, f) for name, f in _PARAMS.items() if name not in _BY_HAND})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name if name in body else None) from exc
@@ -218,6 +210,11 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise APIError(400, f"'{name}' must be of type {kind.__name__}", param=name)
     return value
+
+
+def _read(body: dict[str, Any], f: Field) -> Any:
+    """A SamplingParams field as the body gives it, else its default."""
+    return _get(body, f.name, value_type(SamplingParams, f.name), f.default)
 
 
 def _check_cap(name: str, value: int, cap: int) -> None:

@@ -39,7 +39,8 @@ def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_r
 
 class LogprobFormatter:
     """vLLM's logprob shapes: chat ``{"content": [...]}``, completions
-    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, from the
+    engine's pairs: the sampled token first, then the alternatives in order."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, top_n: int) -> None:
         self._tokenizer = tokenizer
@@ -47,19 +48,19 @@ class LogprobFormatter:
 
     def chat(self, update: ChoiceUpdate) -> dict[str, Any]:
         content = []
-        for token_id, pairs in zip(update.token_ids, update.logprobs or []):
-            entry = self._entry(token_id, dict(pairs).get(token_id, float("-inf")))
-            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in self._top(pairs)]
+        for (token_id, logprob), *top in update.logprobs or []:
+            entry = self._entry(token_id, logprob)
+            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in top]
             content.append(entry)
         return {"content": content}
 
     def completion(self, update: ChoiceUpdate, text_offset: int) -> dict[str, Any]:
         body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, pairs in zip(update.token_ids, update.logprobs or []):
+        for (token_id, logprob), *top in update.logprobs or []:
             token = self._text(token_id)
             body["tokens"].append(token)
-            body["token_logprobs"].append(dict(pairs).get(token_id, float("-inf")))
-            body["top_logprobs"].append({self._text(t): lp for t, lp in self._top(pairs)} if self._top_n else None)
+            body["token_logprobs"].append(logprob)
+            body["top_logprobs"].append({self._text(t): lp for t, lp in top} if self._top_n else None)
             body["text_offset"].append(text_offset)
             text_offset += len(token)
         return body
@@ -69,9 +70,6 @@ class LogprobFormatter:
         if not parts:
             return None
         return {key: [v for part in parts for v in part[key]] for key in parts[0]}
-
-    def _top(self, pairs: list[list[int | float]]) -> list[tuple[int, float]]:
-        return sorted(((int(t), float(lp)) for t, lp in pairs), key=lambda p: -p[1])[:self._top_n]
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._text(token_id)

@@ -1,4 +1,4 @@
-"""Drives one LLMEngine from the Redis request stream.
+"""Drives one engine from the Redis request stream.
 
 Each iteration: pull new requests only if the engine has room (so idle engines
 take the work: pull-based balancing), apply aborts, run one engine step in a
@@ -12,16 +12,17 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from redis.exceptions import RedisError
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 from service.broker import Pulled, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
-from service.messages import ChoiceDelta, Heartbeat, ReplyEvent
+from service.messages import ChoiceDelta, EventKind, Heartbeat, ReplyEvent
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,29 @@ _RETRY_S = 0.5
 Published = list[tuple[RequestHandle, ReplyEvent]]
 
 
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs of an engine; ``LLMEngine`` is one. Never called
+    while a step runs: the worker steps it on one thread and reads it between steps."""
+
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    cache_salt: str | None = None) -> None: ...
+
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def has_capacity(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: Any, model_name: str) -> None:
+    def __init__(self, config: WorkerConfig, engine: Engine, model_name: str) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
@@ -109,7 +131,7 @@ class Worker:
                 log.error("dropping %s", item.error)
                 await self.broker.ack(item.handle.entry_id)
                 continue
-            events.append((item.handle, self._event("accepted")))
+            events.append((item.handle, self._event(EventKind.ACCEPTED)))
             if (reply := self._add(item)) is not None:
                 events.append((item.handle, reply))
         return events
@@ -117,15 +139,15 @@ class Worker:
     def _add(self, item: Pulled) -> ReplyEvent | None:
         msg = item.msg
         if msg.request_id in self._recent_aborts:
-            return self._event("output", finished=True)
+            return self._event(EventKind.OUTPUT, finished=True)
         try:
             params = SamplingParams(**msg.params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
         except (ValueError, TypeError) as exc:
-            return self._event("error", finished=True, error=str(exc), status=400)
+            return self._event(EventKind.ERROR, finished=True, error=str(exc), status=400)
         except Exception as exc:  # a bad request must not take the worker down
             log.exception("add_request failed for %s", msg.request_id)
-            return self._event("error", finished=True, error=f"engine error: {exc}", status=500)
+            return self._event(EventKind.ERROR, finished=True, error=f"engine error: {exc}", status=500)
         self._owned[msg.request_id] = item.handle
         return None
 
@@ -139,7 +161,7 @@ class Worker:
         owned = [rid for rid in aborts if rid in self._owned]
         if owned:
             self.engine.abort_request(owned)  # blocks go back to the pool now
-        return [(self._owned.pop(rid), self._event("output", finished=True)) for rid in owned]
+        return [(self._owned.pop(rid), self._event(EventKind.OUTPUT, finished=True)) for rid in owned]
 
     async def _step(self) -> Published:
         loop = asyncio.get_running_loop()
@@ -150,17 +172,17 @@ class Worker:
             return self._fail_all(f"engine step failed: {exc}", status=500)
         return [item for out in outputs if (item := self._output_event(out)) is not None]
 
-    def _output_event(self, out: Any) -> tuple[RequestHandle, ReplyEvent] | None:
+    def _output_event(self, out: RequestOutput) -> tuple[RequestHandle, ReplyEvent] | None:
         handle = self._owned.get(out.request_id)
         if handle is None:
             return None  # aborted here already
         if out.finished:
             del self._owned[out.request_id]
         if out.error:
-            return handle, self._event("error", finished=True, error=out.error, status=500)
-        choices = [ChoiceDelta(c.index, list(c.token_ids), _logprob_pairs(c.logprobs), c.finish_reason)
+            return handle, self._event(EventKind.ERROR, finished=True, error=out.error, status=500)
+        choices = [ChoiceDelta(c.index, list(c.token_ids), c.logprobs, c.finish_reason)
                    for c in out.outputs]
-        return handle, self._event("output", choices=choices, finished=out.finished,
+        return handle, self._event(EventKind.OUTPUT, choices=choices, finished=out.finished,
                                    num_cached_tokens=out.num_cached_tokens)
 
     def _fail_all(self, error: str, status: int) -> Published:
@@ -169,7 +191,7 @@ class Worker:
             self.engine.abort_request(failed)
         except Exception:
             log.exception("abort after failure failed")
-        return [(self._owned.pop(rid), self._event("error", finished=True, error=error, status=status))
+        return [(self._owned.pop(rid), self._event(EventKind.ERROR, finished=True, error=error, status=status))
                 for rid in failed]
 
     def _refresh_stats(self) -> None:
@@ -179,7 +201,7 @@ class Worker:
         if now - self._stats_time >= self.config.heartbeat_interval_s / 2 or not self.engine.has_unfinished_requests():
             self._stats, self._stats_time = self.engine.stats(), now
 
-    def _event(self, kind: str, **fields: Any) -> ReplyEvent:
+    def _event(self, kind: EventKind, **fields: Any) -> ReplyEvent:
         return ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields)
 
     async def _beat(self) -> None:
@@ -199,9 +221,3 @@ class Worker:
             pass
         await self.broker.close()
         self._executor.shutdown(wait=True)
-
-
-def _logprob_pairs(logprobs: list[dict[int, float]] | None) -> list[list[list[int | float]]] | None:
-    if logprobs is None:
-        return None
-    return [[[token_id, float(lp)] for token_id, lp in step.items()] for step in logprobs]

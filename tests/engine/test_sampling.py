@@ -103,10 +103,12 @@ def test_logprobs_match_hf(llama_checkpoint):
     assert len(out.logprobs) == 8
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         top = ref[i].topk(3)
-        assert set(entry) == set(top.indices.tolist()) | {token}
-        for t, lp in entry.items():
+        assert entry[0][0] == token  # the sampled token first, then the top 3 by falling logprob
+        assert {t for t, _ in entry[1:]} == set(top.indices.tolist())
+        assert [lp for _, lp in entry[1:]] == sorted((lp for _, lp in entry[1:]), reverse=True)
+        for t, lp in entry:
             assert lp == pytest.approx(ref[i, t].item(), abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[0][1] for e in out.logprobs), abs=1e-4)
 
 
 def test_seeded_request_same_alone_and_in_batch(llama_checkpoint):

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.demo_model import write_demo_model
 from engine.stats import EngineStats
+from service.flags import engine_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_NAME = "pagedserve-demo"
@@ -87,8 +89,8 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_demo_model(str(tmp_path_factory.mktemp("model") / "demo"))
 
 
-WORKER_FLAGS = ["--num-device-blocks", "96", "--max-num-seqs", "8", "--num-threads", "1",
-                "--attention-backend", "torch", "--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
+ENGINE = EngineConfig(num_device_blocks=96, max_num_seqs=8, num_threads=1, attention_backend="torch")
+WORKER_FLAGS = [*engine_argv(ENGINE), "--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
 
 
 def spawn(command: str, redis_url: str, prefix: str, model: str, *flags: str) -> subprocess.Popen:

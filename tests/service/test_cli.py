@@ -9,7 +9,9 @@ import time
 
 import pytest
 
+from engine.config import EngineConfig
 from service.cli import build_parser, gateway_config, main, worker_config
+from service.flags import engine_argv
 from tests.service.conftest import ROOT, free_port, get_json
 
 
@@ -24,6 +26,15 @@ def test_env_twins_and_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine.preemption_mode == "swap" and engine.enable_prefix_caching is False
     args = build_parser().parse_args(["gateway", "--api-key", "k3"])
     assert gateway_config(args).api_keys == ("k1", "k2", "k3")
+
+
+def test_engine_argv_rebuilds_the_config() -> None:
+    config = EngineConfig(model="/m", block_size=32, num_device_blocks=64, kv_cache_memory_fraction=0.25,
+                          max_model_len=512, enable_prefix_caching=False, preemption_mode="swap",
+                          attention_backend="torch", seed=3, num_threads=2, show_progress=False)
+    argv = engine_argv(config)
+    assert "--no-prefix-caching" in argv and "--no-chunked-prefill" not in argv and "--max-num-seqs" not in argv
+    assert worker_config(build_parser().parse_args(["worker", *argv])).engine == config
 
 
 def test_missing_redis_server_says_how_to_install(monkeypatch: pytest.MonkeyPatch,

@@ -16,7 +16,7 @@ from engine.stats import EngineStats
 from service.broker import WorkerBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
-from service.messages import Heartbeat, ReplyEvent
+from service.messages import EventKind, Heartbeat, ReplyEvent
 from service.worker import Worker
 from tests.service.conftest import API_KEY, MODEL_NAME, Stack, engine_stats, free_port, get_json
 
@@ -127,7 +127,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
         pulled: list = []
         while not pulled:
             pulled = (await engine_side.poll(1, block=False))[0]
-        await engine_side.publish([(pulled[0].handle, ReplyEvent("accepted", "fake-engine", "1"))])
+        await engine_side.publish([(pulled[0].handle, ReplyEvent(EventKind.ACCEPTED, "fake-engine", "1"))])
         # The same engine id beats again, from a new process: the old one's request cannot finish.
         await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, engine_stats()))
         response = await asyncio.wait_for(pending, 10)

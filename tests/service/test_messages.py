@@ -8,8 +8,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from service.messages import (SCHEMA_VERSION, ChoiceDelta, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode,
-                              encode, params_to_wire)
+from service.messages import (SCHEMA_VERSION, ChoiceDelta, EventKind, Heartbeat, ReplyEvent, RequestMsg, SchemaError,
+                              decode, encode, params_to_wire)
 from tests.service.conftest import engine_stats
 
 
@@ -18,8 +18,9 @@ def test_round_trips_and_params_survive() -> None:
     msg = RequestMsg("r1", [1, 2, 3], params_to_wire(params), "gw", 12.5, "salt")
     back = decode(RequestMsg, encode(msg))
     assert back == msg and SamplingParams(**back.params) == params
-    event = ReplyEvent("output", "e1", "i1", [ChoiceDelta(1, [5], [[[5, -0.1], [6, -2.0]]], "stop")], True, 4)
+    event = ReplyEvent(EventKind.OUTPUT, "e1", "i1", [ChoiceDelta(1, [5], [[[5, -0.1], [6, -2.0]]], "stop")], True, 4)
     assert decode(ReplyEvent, encode(event)) == event
+    assert msgpack.unpackb(encode(event))["kind"] == "output"  # the wire carries the string
     beat = Heartbeat("e1", "i1", "m", 2048, engine_stats(num_blocks_free=3, kv_cache_usage=0.25))
     assert decode(Heartbeat, encode(beat)) == beat
     assert msgpack.unpackb(encode(beat))["stats"]["kv_cache_usage"] == 0.25  # a plain map of field names
@@ -48,3 +49,9 @@ def test_a_well_formed_heartbeat_decodes() -> None:  # so each bad payload below
 def test_bad_payloads_are_schema_errors(payload: bytes) -> None:
     with pytest.raises(SchemaError):
         decode(Heartbeat, payload)
+
+
+def test_unknown_event_kind_is_a_schema_error() -> None:
+    payload = encode(ReplyEvent(EventKind.ACCEPTED, "e1")).replace(b"accepted", b"accepten")
+    with pytest.raises(SchemaError):
+        decode(ReplyEvent, payload)

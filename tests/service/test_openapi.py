@@ -1,0 +1,39 @@
+"""The API schema's sampling bounds are the ones SamplingParams enforces."""
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from service.openapi import openapi_document
+
+BOUNDED = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "max_tokens", "min_tokens", "logprobs"]
+
+
+def completion_properties() -> dict:
+    post = openapi_document("m")["paths"]["/v1/completions"]["post"]
+    return post["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_schema_bounds_are_enforced(name: str) -> None:
+    schema = completion_properties()[name]
+    step = 1 if schema["type"] == "integer" else 0.5
+    if "minimum" in schema:
+        SamplingParams(**{name: schema["minimum"]})
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: schema["minimum"] - step})
+    if "exclusiveMinimum" in schema:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: schema["exclusiveMinimum"]})
+    if "maximum" in schema:
+        SamplingParams(**{name: schema["maximum"]})
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: schema["maximum"] + step})
+    assert {"minimum", "exclusiveMinimum"} & set(schema)
+
+
+def test_defaults_are_the_engine_defaults() -> None:
+    props, params = completion_properties(), SamplingParams()
+    assert all(getattr(params, name) == schema["default"] for name, schema in props.items()
+               if "default" in schema and name != "stream")
