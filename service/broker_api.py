@@ -1,7 +1,8 @@
 """The broker as the gateway and the worker see it, whatever carries the messages.
 
 Two implementations keep the same rules: ``service.broker`` (Redis streams, for
-deployments) and ``service.memory_broker`` (one process, for unit tests).
+deployments) and ``service.memory_broker`` (one process, for unit tests). Their
+gateway sides share ``ReplyRouter``, the bookkeeping that does not depend on transport.
 
 - A worker takes new requests only when it polls with room (pull-based balancing).
 - Each request's replies reach its gateway in the order the worker published them.
@@ -13,13 +14,10 @@ deployments) and ``service.memory_broker`` (one process, for unit tests).
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 from service.messages import Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode
-
-log = logging.getLogger(__name__)
 
 
 class BrokerUnavailable(Exception):

@@ -88,7 +88,8 @@ class LocalStack:
         return self._add("worker", argv)
 
     def add_gateway(self, argv: list[str], host: str = "127.0.0.1", port: int | None = None) -> Child:
-        """With no ``port``, the gateway listens on a free port of ``host``, added to its flags."""
+        """With no ``port``, the gateway listens on a free port of ``host``, added to its flags;
+        with one, the flags already say where it listens (``serve`` forwards its own)."""
         if port is None:
             port = free_port()
             argv = [*argv, "--host", host, "--port", str(port)]

@@ -72,15 +72,16 @@ async def test_engine_error_reaches_the_client(client_and_bus) -> None:
 
 async def test_client_disconnect_aborts_and_frees_blocks(client_and_bus, demo_engine) -> None:
     client, bus = client_and_bus
-    free = demo_engine.stats()["num_blocks_free"]
+    free, generated = demo_engine.stats()["num_blocks_free"], demo_engine.stats()["generation_tokens_total"]
     async with running(memory_worker(bus, demo_engine)):
         await asyncio.wait_for(ready(client), 5)
-        response = await client.post("/v1/completions", json={**GREEDY, "prompt": "x" * 40, "max_tokens": 1000,
+        response = await client.post("/v1/completions", json={**GREEDY, "prompt": "x" * 40, "max_tokens": 600,
                                                                "stream": True})
         await response.content.readuntil(b"\n\n")
         response.close()  # the client hangs up mid-stream
         await until(lambda: bus.aborts and not demo_engine.has_unfinished_requests())
         assert demo_engine.stats()["num_blocks_free"] == free
+        assert demo_engine.stats()["generation_tokens_total"] - generated < 600  # stopped early, not finished
 
 
 async def test_request_fails_once_no_engine_beats(client_and_bus) -> None:
