@@ -21,14 +21,8 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,6 +32,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
 from loadtest.bench_offline import Request, make_workload
 from service.flags import add_engine_flags, engine_argv, engine_options
+from service.local_stack import LocalStack
 
 MODEL_NAME = "bench"
 
@@ -100,52 +95,13 @@ def _drain(engine: LLMEngine, requests: list[Request], tag: str) -> int:
     return tokens
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServedStack:
-    """A private redis-server, one worker and one gateway, as `pagedserve serve` runs them."""
-
-    def __init__(self, model: str, config: EngineConfig) -> None:
-        self.workdir = tempfile.mkdtemp(prefix="bench-serving-")
-        redis_port, http_port = _free_port(), _free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        self.url = f"http://127.0.0.1:{http_port}"
-        cli = [sys.executable, "-m", "service.cli"]
-        common = ["--redis-url", redis_url, "--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
-        self.processes = [
-            subprocess.Popen(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no",
-                              "--dir", self.workdir], stdout=subprocess.DEVNULL),
-            subprocess.Popen(cli + ["worker"] + common + engine_argv(config)),  # with its --model
-            subprocess.Popen(cli + ["gateway"] + common + ["--model", model, "--port", str(http_port),
-                                                           "--max-pending-requests", "100000"]),
-        ]
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.processes):
-                raise RuntimeError("a serving process exited during startup")
-            try:
-                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the served stack did not become ready")
-
-    def stop(self) -> None:
-        for process in reversed(self.processes):
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+def served_stack(model: str, config: EngineConfig) -> LocalStack:
+    """A private redis-server, one worker and one gateway, as ``pagedserve serve`` runs them."""
+    stack = LocalStack()
+    common = ["--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
+    stack.add_worker(common + engine_argv(config))  # with its --model
+    stack.add_gateway(common + ["--model", model, "--max-pending-requests", "100000"])
+    return stack
 
 
 async def run_client(url: str, requests: list[Request], rate: float, concurrency: int | None,
@@ -234,16 +190,13 @@ def main() -> None:
           f"{statistics.fmean(len(r.prompt) for r in requests):.0f}, mean output "
           f"{statistics.fmean(r.output_len for r in requests):.0f} tokens", flush=True)
     offline = [run_offline(config, requests, "before")]
-    stack = ServedStack(model, config)
-    try:
-        stack.wait_ready()
+    with served_stack(model, config) as stack:
+        stack.wait_ready(timeout_s=300)
         asyncio.run(run_client(stack.url, warm_up(requests), float("inf"), None, args.seed))
         print(f"served (rate {args.request_rate} req/s, concurrency {args.max_concurrency or 'unbounded'}) ...",
               flush=True)
         stats, duration = asyncio.run(run_client(stack.url, requests, args.request_rate,
-                                                     args.max_concurrency, args.seed))
-    finally:
-        stack.stop()
+                                                 args.max_concurrency, args.seed))
     offline.append(run_offline(config, requests, "after"))
     served = summarize(stats, duration)
     best = max(offline, key=lambda o: o["output_tok_s"])

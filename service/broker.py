@@ -1,4 +1,5 @@
-"""Redis streams between gateways and engine workers.
+"""The broker over Redis streams, between gateways and engine workers (the rules
+both brokers keep are in ``service.broker_api``; docs/architecture.md has the picture).
 
 Keys under one prefix:
   {p}:requests        stream of RequestMsg, consumer group "engines"; an entry is
@@ -15,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+import uuid
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from service.broker_api import BrokerUnavailable, Pulled, ReplyRouter, RequestHandle, read_request
 from service.config import RedisConfig
 from service.messages import EventKind, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode, encode
 
@@ -30,10 +32,6 @@ _ABORTS_MAXLEN = 10_000
 _WAKE_MAXLEN = 1_000
 _UNFINISHED_TTL_S = 24 * 3600  # bounds a reply stream whose engine vanished
 _COMMAND_TIMEOUT_S = 5.0
-
-
-class BrokerUnavailable(Exception):
-    """Redis cannot be reached."""
 
 
 class Keys:
@@ -71,26 +69,16 @@ async def ensure_group(client: aioredis.Redis, keys: Keys) -> None:
             raise
 
 
-@dataclass(slots=True)
-class _Subscription:
-    queue: asyncio.Queue[ReplyEvent]
-    last_id: bytes = b"0-0"
-    owner: tuple[str, str] | None = None  # (engine id, incarnation) once an engine accepted the request
-
-
-class GatewayBroker:
+class RedisGatewayBroker(ReplyRouter):
     """A gateway's side: submit, abort, and one reader multiplexing all reply streams."""
 
-    def __init__(self, config: RedisConfig, gateway_id: str, poll_s: float = 0.5) -> None:
+    def __init__(self, config: RedisConfig, poll_s: float = 0.5) -> None:
+        super().__init__(poll_s)
         self.config = config
-        self.gateway_id = gateway_id
-        self.poll_s = poll_s
-        self.engines: dict[str, Heartbeat] = {}  # live engines, refreshed every poll_s
-        self.redis_ok = False
+        self.gateway_id = uuid.uuid4().hex[:12]
         self._keys = Keys(config.prefix)
         self._client: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
-        self._subs: dict[str, _Subscription] = {}
         self._wake_id = b"0-0"
         self._tasks: list[asyncio.Task] = []
 
@@ -110,19 +98,14 @@ class GatewayBroker:
         await self._client.aclose()
         await self._blocking.aclose()
 
-    @property
-    def num_pending(self) -> int:
-        """Requests submitted here that no engine has taken yet."""
-        return sum(1 for s in self._subs.values() if s.owner is None)
-
     async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
-        sub = self._subs[msg.request_id] = _Subscription(asyncio.Queue())
+        queue = self._open(msg.request_id)
         try:
             await self._client.xadd(self._keys.requests, {"p": encode(msg)})
         except RedisError as exc:
-            self._subs.pop(msg.request_id, None)
+            self.release(msg.request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
-        return sub.queue
+        return queue
 
     async def abort(self, request_id: str) -> None:
         """Tells whichever engine owns (or will pull) the request to drop it."""
@@ -131,9 +114,6 @@ class GatewayBroker:
             await self._client.xadd(self._keys.aborts, {"r": request_id}, maxlen=_ABORTS_MAXLEN)
         except RedisError as exc:
             log.warning("could not publish abort of %s: %s", request_id, type(exc).__name__)
-
-    def release(self, request_id: str) -> None:
-        self._subs.pop(request_id, None)
 
     async def _read_replies(self) -> None:
         wake_key = self._keys.wake(self.gateway_id).encode()
@@ -159,23 +139,11 @@ class GatewayBroker:
             return
         for entry_id, fields in entries:
             sub.last_id = entry_id
-            try:
-                event = decode(ReplyEvent, fields[b"p"])
-            except (SchemaError, KeyError) as exc:
-                event = ReplyEvent(EventKind.ERROR, "", finished=True, error=f"bad reply from engine: {exc}")
-            if event.kind is EventKind.ACCEPTED:
-                sub.owner = (event.engine_id, event.incarnation)
-            sub.queue.put_nowait(event)
-
-    async def _watch_engines(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            await self._refresh_engines()
-            self._fail_orphans()
+            self._deliver(sub, fields.get(b"p", b""))
 
     async def _refresh_engines(self) -> None:
         try:
-            if not self.redis_ok:  # (re)connected: a restarted Redis has lost the group
+            if not self.reachable:  # (re)connected: a restarted Redis has lost the group
                 await ensure_group(self._client, self._keys)
             ids = sorted(i.decode() for i in await self._client.smembers(self._keys.engines))
             beats = await self._client.mget([self._keys.engine(i) for i in ids]) if ids else []
@@ -183,50 +151,16 @@ class GatewayBroker:
             if dead:
                 await self._client.srem(self._keys.engines, *dead)
             self.engines = {i: decode(Heartbeat, b) for i, b in zip(ids, beats) if b is not None}
-            self.redis_ok = True
+            self.reachable = True
         except (RedisError, OSError) as exc:
-            if self.redis_ok:
+            if self.reachable:
                 log.warning("Redis unreachable: %s", type(exc).__name__)
-            self.redis_ok, self.engines = False, {}
+            self.reachable, self.engines = False, {}
         except SchemaError as exc:
             log.error("unreadable heartbeat: %s", exc)
 
-    def _fail_orphans(self) -> None:
-        """Ends requests whose engine stopped beating (or all, when none is left)."""
-        for request_id, sub in list(self._subs.items()):
-            if self._owner_alive(sub.owner):
-                continue
-            engine_id = sub.owner[0] if sub.owner else ""
-            reason = f"engine {engine_id} stopped responding" if engine_id else "no engine is available"
-            if not self.redis_ok:
-                reason = "the broker (Redis) is unreachable"
-            sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, engine_id, finished=True, error=reason, status=503))
-            self._subs.pop(request_id)
 
-    def _owner_alive(self, owner: tuple[str, str] | None) -> bool:
-        if owner is None:  # still queued: fine while any engine may take it
-            return bool(self.engines)
-        beat = self.engines.get(owner[0])
-        return beat is not None and beat.incarnation == owner[1]
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    """What a worker keeps per owned request to answer and ack it."""
-
-    request_id: str
-    gateway_id: str
-    entry_id: bytes
-
-
-@dataclass(slots=True)
-class Pulled:
-    handle: RequestHandle
-    msg: RequestMsg | None  # None when the payload could not be read
-    error: str | None = None
-
-
-class WorkerBroker:
+class RedisWorkerBroker:
     """An engine worker's side: pull requests, read aborts, publish outputs, beat."""
 
     def __init__(self, config: RedisConfig, engine_id: str, reply_ttl_s: int, heartbeat_ttl_s: float) -> None:
@@ -276,7 +210,8 @@ class WorkerBroker:
             pipe.xread({self._keys.aborts: self._abort_cursor})
             results = await pipe.execute()
             entries, aborts = (results if count else ([], results[0]))
-        return [_read_request(e, f) for _, stream in entries or [] for e, f in stream], self._read_aborts(aborts)
+        pulled = [read_request(e, f.get(b"p", b"")) for _, stream in entries or [] for e, f in stream]
+        return pulled, self._read_aborts(aborts)
 
     def _read_aborts(self, response: list) -> list[str]:
         ids = []
@@ -316,11 +251,3 @@ class WorkerBroker:
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms)
         pipe.sadd(self._keys.engines, self.engine_id)
         await pipe.execute()
-
-
-def _read_request(entry_id: bytes, fields: dict[bytes, bytes]) -> Pulled:
-    try:
-        msg = decode(RequestMsg, fields[b"p"])
-    except (SchemaError, KeyError) as exc:
-        return Pulled(RequestHandle("", "", entry_id), None, f"unreadable request: {exc}")
-    return Pulled(RequestHandle(msg.request_id, msg.gateway_id, entry_id), msg)

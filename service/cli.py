@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
-import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +19,7 @@ from engine.config import EngineConfig
 
 from service.config import GatewayConfig, RedisConfig, WorkerConfig, served_name
 from service.flags import add_engine_flags, add_flag, changed_flags, engine_options, env_name
+from service.local_stack import LocalStack, RedisServerMissing
 
 log = logging.getLogger("pagedserve")
 
@@ -160,12 +156,14 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 
     from engine.demo_model import ensure_demo_model
     from engine.models.config import context_length
+    from service.broker import RedisGatewayBroker
     from service.gateway import Gateway
     from service.tokenization import load_tokenizer
 
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)
-    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path))
+    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path),
+                      RedisGatewayBroker(config.redis, config.engine_poll_s))
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -178,10 +176,12 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 
 async def _serve_worker(config: WorkerConfig) -> None:
     from engine import LLMEngine
+    from service.broker import RedisWorkerBroker
     from service.worker import Worker
 
     engine = LLMEngine(config.engine)
-    worker = Worker(config, engine, served_name(config.engine.model, config.served_model_name))
+    broker = RedisWorkerBroker(config.redis, config.engine_id, config.reply_ttl_s, config.heartbeat_ttl_s)
+    worker = Worker(config, engine, served_name(config.engine.model, config.served_model_name), broker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
@@ -190,34 +190,15 @@ async def _serve_worker(config: WorkerConfig) -> None:
 
 def _serve_all(args: argparse.Namespace) -> int:
     """A private redis-server on a unix socket, then a worker and a gateway process."""
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
+    stack = LocalStack(env={env_name("--api-key"): ",".join(args.api_key)})
+    stack.add_worker(_child_argv(args, "worker"))
+    stack.add_gateway(_child_argv(args, "gateway"), args.host, args.port)
+    try:
+        with stack:
+            return _supervise(stack)
+    except RedisServerMissing:
         print(f"pagedserve: {_REDIS_HELP}", file=sys.stderr)
         return 1
-    workdir = tempfile.mkdtemp(prefix="pagedserve-")
-    socket_path = os.path.join(workdir, "redis.sock")
-    env = {**os.environ, env_name("--api-key"): ",".join(args.api_key)}
-    children = [subprocess.Popen([redis_server, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm",
-                                  "700", "--save", "", "--appendonly", "no", "--loglevel", "warning"],
-                                 preexec_fn=_detach_but_die_with_parent)]
-    try:
-        _wait_for_path(socket_path, children[0])
-        for command in ("worker", "gateway"):
-            children.append(subprocess.Popen([sys.executable, "-m", "service.cli", command, "--redis-url",
-                                              f"unix://{socket_path}"] + _child_argv(args, command), env=env,
-                                             preexec_fn=_detach_but_die_with_parent))
-        return _supervise(children)
-    finally:
-        _stop_all(children)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _detach_but_die_with_parent() -> None:
-    """A child in its own session, so Ctrl-C reaches only ``serve``, which then stops the
-    children in order; on Linux the kernel also stops it should ``serve`` be killed outright."""
-    os.setsid()
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 _NOT_FORWARDED = {"redis_url", "api_key"}  # API keys travel in the environment, not on a visible command line
@@ -231,15 +212,7 @@ def _child_argv(args: argparse.Namespace, command: str) -> list[str]:
     return changed_flags(parser, {k: v for k, v in vars(args).items() if k not in _NOT_FORWARDED})
 
 
-def _wait_for_path(path: str, process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.05)
-
-
-def _supervise(children: list[subprocess.Popen]) -> int:
+def _supervise(stack: LocalStack) -> int:
     """Waits until Ctrl-C / SIGTERM or until any child exits."""
     stopping = False
 
@@ -250,25 +223,12 @@ def _supervise(children: list[subprocess.Popen]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     while not stopping:
-        for child in children:
-            if child.poll() is not None:
-                role = "redis-server" if child is children[0] else child.args[3]
-                print(f"pagedserve: the {role} process exited with {child.returncode}; stopping the others",
-                      file=sys.stderr)
-                return 1
+        if (child := stack.exited()) is not None:
+            print(f"pagedserve: the {child.role} process exited with {child.returncode}; stopping the others",
+                  file=sys.stderr)
+            return 1
         time.sleep(0.2)
     return 0
-
-
-def _stop_all(children: list[subprocess.Popen]) -> None:
-    for child in reversed(children):  # gateway, worker, then Redis
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP gateway (aiohttp): validate, tokenize, submit to
-the broker, detokenize the engine's tokens and answer, streaming or not."""
+the broker, detokenize the engine's tokens and answer, streaming or not.
+The broker is given (Redis in deployments, ``service.memory_broker`` in unit tests)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
-from service.broker import BrokerUnavailable, GatewayBroker
+from service.broker_api import BrokerUnavailable, GatewayBroker
 from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
@@ -37,13 +38,13 @@ class ClientGone(Exception):
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, broker: GatewayBroker) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.gateway_id = uuid.uuid4().hex[:12]
-        self.broker = GatewayBroker(config.redis, self.gateway_id, config.engine_poll_s)
+        self.broker = broker
+        self.gateway_id = broker.gateway_id
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
@@ -139,7 +140,7 @@ class Gateway:
         return min([self.max_model_len] + [b.max_model_len for b in self._live_engines().values()])
 
     def _unavailable_reason(self) -> str | None:
-        if not self.broker.redis_ok:
+        if not self.broker.reachable:
             return "the broker (Redis) is unreachable"
         if not self._live_engines():
             return f"no live engine serves model {self.model_name!r}"

@@ -1,4 +1,5 @@
-"""Drives one engine from the Redis request stream.
+"""Drives one LLMEngine from the broker's request queue (Redis in deployments,
+``service.memory_broker`` in unit tests).
 
 Each iteration: pull new requests only if the engine has room (so idle engines
 take the work: pull-based balancing), apply aborts, run one engine step in a
@@ -20,7 +21,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-from service.broker import Pulled, RequestHandle, WorkerBroker
+from service.broker_api import Pulled, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
 from service.messages import ChoiceDelta, EventKind, Heartbeat, ReplyEvent
 
@@ -54,12 +55,12 @@ class Engine(Protocol):
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: Engine, model_name: str) -> None:
+    def __init__(self, config: WorkerConfig, engine: Engine, model_name: str, broker: WorkerBroker) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
         self.incarnation = uuid.uuid4().hex[:12]
-        self.broker = WorkerBroker(config.redis, config.engine_id, config.reply_ttl_s, config.heartbeat_ttl_s)
+        self.broker = broker
         self._owned: dict[str, RequestHandle] = {}
         self._recent_aborts: dict[str, None] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")

@@ -12,7 +12,8 @@ import pytest
 from engine.config import EngineConfig
 from service.cli import build_parser, gateway_config, main, worker_config
 from service.flags import engine_argv
-from tests.service.conftest import ROOT, free_port, get_json
+from service.local_stack import free_port
+from tests.service.conftest import ROOT, get_json
 
 
 def test_env_twins_and_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.service.conftest import API_KEY, MODEL_NAME, Stack, get_json, get_text
+from service.local_stack import LocalStack
+from tests.service.conftest import API_KEY, MODEL_NAME, get_json, get_text
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -64,7 +65,7 @@ async def sse(url: str, body: dict) -> list[tuple[str, str]]:
     return events
 
 
-def test_completion_matches_transformers(stack: Stack, tokenizer, hf_greedy) -> None:
+def test_completion_matches_transformers(stack: LocalStack, tokenizer, hf_greedy) -> None:
     prompt = "The paged KV cache"
     ids = tokenizer.encode(prompt)
     ref_ids, ref_logprobs = hf_greedy(ids, 8)
@@ -81,11 +82,11 @@ def test_completion_matches_transformers(stack: Stack, tokenizer, hf_greedy) -> 
                              "prompt_tokens_details": body["usage"]["prompt_tokens_details"]}
 
 
-def test_chat_stream_matches_chat_template_and_framing(stack: Stack, tokenizer, hf_greedy) -> None:
+def test_chat_stream_matches_chat_template_and_framing(stack: LocalStack, tokenizer, hf_greedy) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld 🙂"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ref_ids, _ = hf_greedy(tokenizer.encode(ids, add_special_tokens=False), 10)
-    events = asyncio.run(sse(f"{stack.gateways[1]}/v1/chat/completions", {
+    events = asyncio.run(sse(f"{stack.urls[1]}/v1/chat/completions", {
         "model": MODEL_NAME, "messages": messages, "max_tokens": 10, "stream": True,
         "stream_options": {"include_usage": True}, **GREEDY}))
     chunks = [json.loads(data) for _, data in events[:-1]]
@@ -98,7 +99,7 @@ def test_chat_stream_matches_chat_template_and_framing(stack: Stack, tokenizer, 
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-def test_stop_string_trims_and_ends(stack: Stack, tokenizer, hf_greedy) -> None:
+def test_stop_string_trims_and_ends(stack: LocalStack, tokenizer, hf_greedy) -> None:
     prompt = "stop strings"
     text = tokenizer.decode(hf_greedy(tokenizer.encode(prompt), 16)[0], skip_special_tokens=True)
     stop = text[6:8]
@@ -115,7 +116,7 @@ def test_stop_string_trims_and_ends(stack: Stack, tokenizer, hf_greedy) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_openai_client_sync(stack: Stack) -> None:
+def test_openai_client_sync(stack: LocalStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY)
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
@@ -128,9 +129,9 @@ def test_openai_client_sync(stack: Stack) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_openai_client_async(stack: Stack) -> None:
+def test_openai_client_async(stack: LocalStack) -> None:
     async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=f"{stack.gateways[1]}/v1", api_key=API_KEY)
+        client = openai.AsyncOpenAI(base_url=f"{stack.urls[1]}/v1", api_key=API_KEY)
         stream = await client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
             logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
@@ -146,11 +147,11 @@ def test_openai_client_async(stack: Stack) -> None:
     asyncio.run(run())
 
 
-def test_requests_across_two_gateways_and_two_workers(stack: Stack) -> None:
+def test_requests_across_two_gateways_and_two_workers(stack: LocalStack) -> None:
     async def run() -> list[dict]:
         bodies = [{"model": MODEL_NAME, "prompt": f"request {i}", "max_tokens": 6, "ignore_eos": True,
                    "stream": i % 2 == 0} for i in range(12)]
-        return await asyncio.gather(*(post(f"{stack.gateways[i % 2]}/v1/completions", {**b, "stream": False})
+        return await asyncio.gather(*(post(f"{stack.urls[i % 2]}/v1/completions", {**b, "stream": False})
                                       for i, b in enumerate(bodies)))
 
     results = asyncio.run(run())
@@ -176,7 +177,7 @@ def wait_for_figure(base_url: str, name: str, expected: float, timeout_s: float 
     asyncio.run(asyncio.wait_for(poll(), timeout_s))
 
 
-def test_client_disconnect_returns_blocks(stack: Stack) -> None:
+def test_client_disconnect_returns_blocks(stack: LocalStack) -> None:
     wait_for_figure(stack.url, "vllm:num_requests_running", 0)  # earlier tests' requests are done
     before = engine_figures(stack.url)
 
@@ -197,7 +198,7 @@ def test_client_disconnect_returns_blocks(stack: Stack) -> None:
     assert 0 < generated < 2000  # the engine stopped early: it was aborted, not finished
 
 
-def test_metrics_models_health_openapi(stack: Stack) -> None:
+def test_metrics_models_health_openapi(stack: LocalStack) -> None:
     names = {f.name for f in text_string_to_metric_families(get_text(f"{stack.url}/metrics"))}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",

@@ -10,15 +10,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
-from service.broker import WorkerBroker
+from service.broker import RedisGatewayBroker, RedisWorkerBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
+from service.local_stack import LocalStack, free_port
 from service.messages import EventKind, Heartbeat, ReplyEvent
 from service.worker import Worker
-from tests.service.conftest import API_KEY, MODEL_NAME, Stack, engine_stats, free_port, get_json
+from tests.service.conftest import API_KEY, MODEL_NAME, engine_stats, get_json
+from tests.service.fake_engine import BOOM_ON_ADD, FakeEngine
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -51,19 +50,19 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
                                                                             "stop_token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"seed": -1}, "seed"),
 ])
-def test_invalid_parameters_are_400(stack: Stack, change: dict, param: str) -> None:
+def test_invalid_parameters_are_400(stack: LocalStack, change: dict, param: str) -> None:
     status, body = asyncio.run(call(f"{stack.url}/v1/chat/completions", {**CHAT, **change}))
     assert_error(status, body, 400, param)
 
 
-def test_context_overflow_names_the_numbers(stack: Stack) -> None:
+def test_context_overflow_names_the_numbers(stack: LocalStack) -> None:
     status, body = asyncio.run(call(f"{stack.url}/v1/completions", {
         "model": MODEL_NAME, "prompt": "y" * 2000, "max_tokens": 100}))
     message = assert_error(status, body, 400)["message"]
     assert "2048" in message and "2000" in message and "100" in message and "2100" in message
 
 
-def test_auth_model_size_and_json_errors(stack: Stack) -> None:
+def test_auth_model_size_and_json_errors(stack: LocalStack) -> None:
     url = f"{stack.url}/v1/chat/completions"
     assert_error(*asyncio.run(call(url, CHAT, headers=None)), 401)
     assert_error(*asyncio.run(call(url, CHAT, headers={"Authorization": "Bearer wrong"})), 401)
@@ -88,11 +87,11 @@ def demo_tokenizer(demo_model: str):
 
 def make_gateway(redis: RedisConfig, tokenizer, **overrides) -> Gateway:
     config = GatewayConfig(redis=redis, engine_poll_s=0.1, **overrides)
-    return Gateway(config, tokenizer, MODEL_NAME, 2048)
+    return Gateway(config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(redis, config.engine_poll_s))
 
 
-async def fake_heartbeat(redis: RedisConfig) -> WorkerBroker:
-    broker = WorkerBroker(redis, "fake-engine", reply_ttl_s=60, heartbeat_ttl_s=30)
+async def fake_heartbeat(redis: RedisConfig) -> RedisWorkerBroker:
+    broker = RedisWorkerBroker(redis, "fake-engine", reply_ttl_s=60, heartbeat_ttl_s=30)
     await broker.start()
     await broker.heartbeat(Heartbeat("fake-engine", "1", MODEL_NAME, 2048, engine_stats()))
     return broker
@@ -160,56 +159,17 @@ async def test_cors_allows_only_configured_origins(redis_url: str, prefix: str, 
         assert denied.status == 401 and denied.headers["Access-Control-Allow-Origin"] == "https://app.example"
 
 
-class FakeEngine:
-    """The LLMEngine API in miniature: each step emits one token per request;
-    a prompt starting with token 13 makes add_request blow up."""
-
-    max_model_len = 2048
-
-    def __init__(self) -> None:
-        self.requests: dict[str, list] = {}
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        if prompt_token_ids[0] == 13:
-            raise RuntimeError("boom")
-        self.requests[request_id] = [params.max_tokens, 0]
-
-    def abort_request(self, request_ids) -> None:
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.requests.pop(request_id, None)
-
-    def step(self) -> list:
-        outputs = []
-        for request_id, state in list(self.requests.items()):
-            state[1] += 1
-            done = state[1] == state[0]
-            reason = "length" if done else None
-            outputs.append(RequestOutput(request_id, [], [CompletionOutput(0, [65 + state[1]], finish_reason=reason)],
-                                         finished=done))
-            if done:
-                del self.requests[request_id]
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def has_capacity(self) -> bool:
-        return True
-
-    def stats(self) -> EngineStats:
-        return engine_stats(num_requests_running=len(self.requests))
-
-
 async def test_failing_request_does_not_stop_the_worker(redis_url: str, prefix: str, demo_tokenizer) -> None:
     redis = RedisConfig(url=redis_url, prefix=prefix, block_ms=200)
-    worker = Worker(WorkerConfig(redis=redis, engine_id="fake", heartbeat_interval_s=0.1), FakeEngine(), MODEL_NAME)
+    config = WorkerConfig(redis=redis, engine_id="fake", heartbeat_interval_s=0.1)
+    broker = RedisWorkerBroker(redis, config.engine_id, config.reply_ttl_s, config.heartbeat_ttl_s)
+    worker = Worker(config, FakeEngine(), MODEL_NAME, broker)
     loop_task = asyncio.create_task(worker.run())
     gateway = make_gateway(redis, demo_tokenizer)
     async with TestClient(TestServer(gateway.app())) as client:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
-        bad = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [13, 1]})
+        bad = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [BOOM_ON_ADD, 1]})
         assert_error(bad.status, await bad.json(), 500)
         good = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [1, 2], "max_tokens": 3})
         assert (await good.json())["choices"][0]["text"] == "BCD"

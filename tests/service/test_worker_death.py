@@ -1,46 +1,70 @@
-"""Killing the worker mid-stream: its requests end with a clear error, never hang.
+"""Killing the workers mid-stream: their requests end with a clear error, never
+hang; restarted workers (same engine ids, new incarnations) serve again.
 
-The gateway notices the dead engine when its heartbeat key expires and fails
-the requests that engine owned (they are not replayed on another engine: their
-tokens were already streamed, so a replay would duplicate output).
+The gateway notices a dead engine when its heartbeat key expires and fails the
+requests that engine owned (they are not replayed on another engine: their
+tokens were already streamed, so a replay would duplicate output). The test
+borrows the session's stack and leaves it whole again.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
+import re
 
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
+from service.broker import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
-from tests.service.conftest import MODEL_NAME, WORKER_FLAGS, spawn, stop_process
+from service.local_stack import LocalStack
+from tests.service.conftest import MODEL_NAME, START_TIMEOUT_S, until
 
 LONG = {"model": MODEL_NAME, "prompt": "z" * 20, "max_tokens": 2000, "ignore_eos": True}
 
 
-async def test_killed_worker_fails_its_requests(redis_url: str, demo_model: str) -> None:
-    redis = RedisConfig(url=redis_url, prefix="death", block_ms=200)
-    worker = spawn("worker", redis_url, "death", demo_model, *WORKER_FLAGS, "--engine-id", "doomed")
-    gateway = Gateway(GatewayConfig(redis=redis, engine_poll_s=0.2), AutoTokenizer.from_pretrained(demo_model),
-                      MODEL_NAME, 2048)
+async def ready(client: TestClient, engines: int) -> bool:
+    response = await client.get("/ready")
+    return response.status == 200 and (await response.json())["engines"] == engines
+
+
+async def wait_ready(client: TestClient, engines: int) -> None:
+    async def poll() -> None:
+        while not await ready(client, engines):
+            await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(poll(), START_TIMEOUT_S)
+
+
+async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model: str) -> None:
+    config = GatewayConfig(redis=RedisConfig(url=stack.redis_url, block_ms=200), engine_poll_s=0.2)
+    gateway = Gateway(config, AutoTokenizer.from_pretrained(demo_model), MODEL_NAME, 2048,
+                      RedisGatewayBroker(config.redis, config.engine_poll_s))
     try:
         async with TestClient(TestServer(gateway.app())) as client:
-            while (await client.get("/ready")).status != 200:
-                assert worker.poll() is None, "worker exited during startup"
-                await asyncio.sleep(0.2)
+            await wait_ready(client, engines=2)
             stream = await client.post("/v1/completions", json={**LONG, "stream": True})
             plain = asyncio.create_task(client.post("/v1/completions", json=LONG))
             await stream.content.readuntil(b"\n\n")  # tokens are flowing
-            worker.send_signal(signal.SIGKILL)
+            await until(lambda: gateway.broker.num_pending == 0)  # both requests are owned by an engine
+            for worker in stack.workers:
+                stack.kill(worker)
             rest = (await asyncio.wait_for(stream.read(), 30)).decode()
             events = [block.split("\n")[1][len("data: "):] for block in rest.strip().split("\n\n")]
             assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
-            assert "doomed" in error["message"] and "stopped responding" in error["message"]
+            assert re.fullmatch(r"engine w[01] stopped responding", json.loads(events[-2])["error"]["message"])
             response = await asyncio.wait_for(plain, 30)
-            assert response.status == 503  # owned by the dead engine, or still queued with none left
-            assert (await response.json())["error"]["message"]
+            assert response.status == 503
+            assert re.fullmatch(r"engine w[01] stopped responding", (await response.json())["error"]["message"])
+
+            for worker in stack.workers:
+                stack.restart(worker)
+            await wait_ready(client, engines=2)
+            again = await client.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            assert again.status == 200 and (await again.json())["usage"]["completion_tokens"] == 2
     finally:
-        stop_process(worker)
+        for worker in stack.workers:
+            if worker.returncode is not None:
+                stack.restart(worker)
+        stack.wait_ready(START_TIMEOUT_S)

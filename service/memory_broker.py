@@ -1,0 +1,124 @@
+"""The broker inside one process, for unit tests of the worker and the gateway without Redis.
+
+A ``MemoryBus`` holds what Redis would: the request queue, the aborts, the
+heartbeats (with their expiry) and the gateways waiting for replies. Messages
+cross it encoded, as they cross Redis, and it keeps the rules listed in
+``service.broker_api``; replies go straight to the subscribed gateway instead of
+being stored for replay.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import deque
+
+from service.broker_api import Pulled, ReplyRouter, RequestHandle, read_request
+from service.messages import Heartbeat, ReplyEvent, RequestMsg, decode, encode
+
+
+class MemoryBus:
+    """One deployment's shared state: what the Redis keys hold."""
+
+    def __init__(self) -> None:
+        self.queued: deque[tuple[bytes, bytes]] = deque()  # (entry id, RequestMsg) not pulled yet
+        self.unacked: dict[bytes, bytes] = {}  # pulled, not finished
+        self.aborts: list[str] = []
+        self.beats: dict[str, tuple[bytes, float]] = {}  # engine id -> (Heartbeat, monotonic expiry)
+        self.gateways: dict[str, MemoryGatewayBroker] = {}
+        self.arrived = asyncio.Event()
+        self._entry_ids = itertools.count(1)
+
+    def enqueue(self, payload: bytes) -> None:
+        self.queued.append((str(next(self._entry_ids)).encode(), payload))
+        self.arrived.set()
+
+    def pull(self, count: int) -> list[tuple[bytes, bytes]]:
+        taken = [self.queued.popleft() for _ in range(min(count, len(self.queued)))]
+        self.unacked.update(taken)
+        if not self.queued:
+            self.arrived.clear()
+        return taken
+
+    def live_beats(self) -> dict[str, bytes]:
+        now = time.monotonic()
+        for engine_id in [i for i, (_, expiry) in self.beats.items() if expiry <= now]:
+            del self.beats[engine_id]
+        return {i: beat for i, (beat, _) in self.beats.items()}
+
+
+class MemoryGatewayBroker(ReplyRouter):
+    def __init__(self, bus: MemoryBus, poll_s: float = 0.5) -> None:
+        super().__init__(poll_s)
+        self.bus = bus
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self._watcher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.bus.gateways[self.gateway_id] = self
+        await self._refresh_engines()
+        self._watcher = asyncio.create_task(self._watch_engines())
+
+    async def close(self) -> None:
+        self._watcher.cancel()
+        await asyncio.gather(self._watcher, return_exceptions=True)
+        self.bus.gateways.pop(self.gateway_id, None)
+
+    async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+        queue = self._open(msg.request_id)
+        self.bus.enqueue(encode(msg))
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        self.release(request_id)
+        self.bus.aborts.append(request_id)
+
+    def receive(self, request_id: str, payload: bytes) -> None:
+        if (sub := self._subs.get(request_id)) is not None:
+            self._deliver(sub, payload)
+
+    async def _refresh_engines(self) -> None:
+        self.engines = {i: decode(Heartbeat, beat) for i, beat in self.bus.live_beats().items()}
+        self.reachable = True
+
+
+class MemoryWorkerBroker:
+    def __init__(self, bus: MemoryBus, engine_id: str, heartbeat_ttl_s: float, block_s: float = 0.1) -> None:
+        self.bus = bus
+        self.engine_id = engine_id
+        self._heartbeat_ttl_s = heartbeat_ttl_s
+        self._block_s = block_s
+        self._abort_cursor = 0  # every abort so far counts: its request may still be queued
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.bus.beats.pop(self.engine_id, None)
+
+    async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
+        """Up to ``count`` new requests (waiting up to ``block_s`` for one if ``block``) and new aborts."""
+        if block and count and not self.bus.queued:
+            try:
+                await asyncio.wait_for(self.bus.arrived.wait(), self._block_s)
+            except asyncio.TimeoutError:
+                pass
+        pulled = [read_request(entry_id, payload) for entry_id, payload in self.bus.pull(count)]
+        aborts = self.bus.aborts[self._abort_cursor:]
+        self._abort_cursor += len(aborts)
+        return pulled, aborts
+
+    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]]) -> None:
+        for handle, event in items:
+            gateway = self.bus.gateways.get(handle.gateway_id)
+            if gateway is not None:
+                gateway.receive(handle.request_id, encode(event))
+            if event.finished:
+                self.bus.unacked.pop(handle.entry_id, None)
+
+    async def ack(self, entry_id: bytes) -> None:
+        self.bus.unacked.pop(entry_id, None)
+
+    async def heartbeat(self, beat: Heartbeat) -> None:
+        self.bus.beats[self.engine_id] = (encode(beat), time.monotonic() + self._heartbeat_ttl_s)

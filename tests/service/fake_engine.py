@@ -1,0 +1,59 @@
+"""A stand-in for LLMEngine in worker and gateway tests."""
+from __future__ import annotations
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+from tests.service.conftest import engine_stats
+
+BOOM_ON_ADD = 13  # a prompt starting with this token makes add_request blow up
+BOOM_ON_STEP = 14  # ... and with this one, the next step
+
+
+class FakeEngine:
+    """The LLMEngine API in miniature: each step emits one token per request
+    (66, 67, ... : "B", "C", ... in the demo tokenizer)."""
+
+    max_model_len = 2048
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list] = {}
+        self.added: list[str] = []
+        self.capacity = True
+        self._boom = False
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        if prompt_token_ids[0] == BOOM_ON_ADD:
+            raise RuntimeError("boom")
+        self._boom |= prompt_token_ids[0] == BOOM_ON_STEP
+        self.requests[request_id] = [params.max_tokens, 0]
+        self.added.append(request_id)
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.requests.pop(request_id, None)
+
+    def step(self) -> list:
+        if self._boom:
+            self._boom = False
+            raise RuntimeError("kaboom")
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] == state[0]
+            reason = "length" if done else None
+            outputs.append(RequestOutput(request_id, [], [CompletionOutput(0, [65 + state[1]], finish_reason=reason)],
+                                         finished=done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_capacity(self) -> bool:
+        return self.capacity
+
+    def stats(self) -> EngineStats:
+        return engine_stats(num_requests_running=len(self.requests))
