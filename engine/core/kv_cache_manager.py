@@ -215,7 +215,7 @@ class KVCacheManager:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         if parent.on_cpu or parent.num_slots != parent.num_computed:
-            raise ValueError("fork a running sequence only between steps (after finish_step)")
+            raise ValueError("fork a running sequence only once its K/V is computed (between steps)")
         for block in parent.blocks:
             self.device.incref(block)
         self.tables[child_id] = BlockTable(

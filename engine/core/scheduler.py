@@ -24,12 +24,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheStats
 from engine.core.kv_manager import Admission, SeqSize, make_kv_manager
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.sampler import SamplerOutput
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -40,7 +44,7 @@ Plan = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 
 def _pending_forks(group: SequenceGroup) -> int:
     """Sequences a group of n samples has yet to fork (forks follow the prompt)."""
-    return max(0, group.params.n - len(group.seqs))
+    return group.params.n - len(group.seqs)
 
 
 @dataclass(slots=True)
@@ -57,10 +61,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = ()) -> None:
         if config.num_device_blocks is None:
             raise ValueError("num_device_blocks must be resolved before the scheduler is built")
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = make_kv_manager(config)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
@@ -100,18 +105,6 @@ class Scheduler:
             aborted.append(group)
         return aborted
 
-    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares all of ``parent``'s blocks (parallel sampling)."""
-        if group.request_id not in self.running or parent.status is not RUNNING:
-            raise ValueError("can only fork a running sequence of a running group")
-        self.kv.fork(parent.seq_id, child.seq_id)
-        if len(group.seqs) < group.params.n:
-            self._num_pending_forks -= 1
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RUNNING
-        group.seqs.append(child)
-        self._num_running_seqs += 1
-
     def finish_seq(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
@@ -143,15 +136,48 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         return out
 
-    def finish_step(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote K/V for every scheduled token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceGroup]:
+        """After the forward pass of ``out``, with one sampled token per ``out.samples()``: record
+        the K/V, fork, append the tokens, finish (and free) the sequences that stop.
+        Returns the groups that got tokens, in schedule order."""
+        self._mark_computed(out)
+        groups: dict[SequenceGroup, None] = {}  # an ordered set
+        for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.status is RUNNING:  # not finished or aborted meanwhile
+                seq.append_token(token, logprobs)
+                self._check_stop(s.group, seq, token)
+                groups[s.group] = None
+        return list(groups)
+
+    def _mark_computed(self, out: SchedulerOutput) -> None:
+        """The forward pass wrote K/V for every scheduled token; then the forks share it."""
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             seq = s.seq
-            if seq.status is not RUNNING:  # finished or aborted meanwhile
+            if seq.status is not RUNNING:
                 continue
             seq.num_computed_tokens = done = s.start + s.num_new_tokens
             mark_computed(seq.seq_id, done, seq.token_ids)
+            for child in s.forks:
+                self._fork(s.group, seq, child)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks and takes a seat its group kept."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RUNNING
+        group.seqs.append(child)
+        self._num_running_seqs += 1
+        self._num_pending_forks -= 1
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
+        p, max_len = group.params, self.config.max_model_len
+        if seq.num_output_tokens >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            self.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+        elif ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+              or (max_len is not None and seq.num_tokens >= max_len)):
+            self.finish_seq(group, seq, SequenceStatus.FINISHED_LENGTH)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         kv = self.kv
@@ -257,6 +283,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             scheduled.append(ScheduledSeq(group, seq, start, num_new, kv.block_ids(seq.seq_id),
                                           start + num_new == len(seq.token_ids)))
+        last = scheduled[-1]
+        if len(group.seqs) < group.params.n and last.do_sample:  # n > 1: fork once the (one) prompt is in
+            last.forks = tuple(last.seq.fork(index) for index in range(len(group.seqs), group.params.n))
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         del self.running[group.request_id]

@@ -1,13 +1,13 @@
-"""Random add / fork / step (append, copy-on-write, preempt, swap) / finish /
-abort sequences against the scheduler, checking the KV accounting and the
-simulated cache contents after every step."""
+"""Random add / step (fork after the prompt, append, copy-on-write, preempt,
+swap, stop) / finish / abort sequences against the scheduler, checking the KV
+accounting and the simulated cache contents after every step."""
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.sequence import SequenceStatus
 
-from .helpers import KVMemory, check_kv_invariants, fork_child, make_group, make_scheduler
+from .helpers import KVMemory, check_kv_invariants, make_group, make_scheduler, sample
 
 BS = 8
 MAX_OUTPUT = 6
@@ -28,7 +28,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.integers(0, 2), length=st.integers(1, 30), n=st.integers(1, 3),
           salt=st.sampled_from([None, b"tenant"]))
     def add(self, prefix, length, n, salt):
-        group = make_group(f"r{len(self.groups)}", PREFIXES[prefix][:length], arrival=len(self.groups), n=n, salt=salt)
+        group = make_group(f"r{len(self.groups)}", PREFIXES[prefix][:length], arrival=len(self.groups), n=n,
+                           salt=salt, max_tokens=MAX_OUTPUT)
         self.groups[group.request_id] = group
         self.sched.add_group(group)
 
@@ -47,25 +48,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not {d for d, _ in out.blocks_to_swap_out} & {d for _, d in out.blocks_to_swap_in}
         assert all(kv.device.blocks[d].ref_count == 1 for _, d in out.blocks_to_copy)
         self.memory.execute(out, BS)
-        sched.finish_step(out)
-        for s in out.scheduled:
-            if s.do_sample:
-                # Independent of the global seq ids, so every example replays identically.
-                s.seq.append_token((s.seq.index * 7 + s.seq.num_tokens + int(s.group.request_id[1:])) % 50)
-                if s.seq.num_output_tokens >= MAX_OUTPUT or s.seq.num_tokens >= 40:
-                    sched.finish_seq(s.group, s.seq, SequenceStatus.FINISHED_LENGTH)
+        sched.update_from_output(out, sample(out, _token))  # stops at MAX_OUTPUT or max_model_len
         self._check_contents()
-
-    def _forkable(self):
-        return [(g, s) for g in self.sched.running.values() if len(g.seqs) < g.params.n
-                for s in g.seqs if s.status is SequenceStatus.RUNNING and not s.is_prefill]
-
-    @precondition(lambda self: self._forkable())
-    @rule(data=st.data())
-    def fork(self, data):
-        group, parent = data.draw(st.sampled_from(self._forkable()))
-        child = fork_child(self.sched, group, parent)
-        child.token_ids[-1] = (child.token_ids[-1] + 1) % 50  # siblings diverge
 
     @precondition(lambda self: self.sched.num_running)
     @rule(data=st.data())
@@ -119,6 +103,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.sched.has_unfinished()
         assert self.sched.stats().kv.num_used_blocks == 0
+
+
+def _token(group, seq):
+    # Independent of the global seq ids, so every example replays identically; siblings diverge.
+    return (seq.index * 7 + seq.num_tokens + int(group.request_id[1:])) % 50
 
 
 SchedulerMachine.TestCase.settings = settings(
