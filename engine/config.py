@@ -1,4 +1,4 @@
-"""The engine's one configuration object (DESIGN.md §2)."""
+"""The engine's one configuration object (docs/architecture.md §6)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap"]
 AttentionBackend = Literal["ext", "torch"]
-KVAllocator = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
+KVAllocatorName = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attention_backend: AttentionBackend = "ext"
-    kv_allocator: KVAllocator = "paged"
+    kv_allocator: KVAllocatorName = "paged"
     seed: int = 0
     num_threads: int | None = None
     show_progress: bool = True

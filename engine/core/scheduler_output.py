@@ -23,8 +23,8 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int]
     do_sample: bool
+    block_table: list[int] = field(default_factory=list)
     forks: tuple[Sequence, ...] = ()
 
 

@@ -79,7 +79,7 @@ class KVMemory:
 
 def check_kv_invariants(kv: KVCacheManager) -> None:
     """Block accounting, checked against the tables (not the pool's counters)."""
-    for pool, on_cpu in ((kv.device, False), (kv.cpu, True)):
+    for pool, on_cpu in ((kv.device_pool, False), (kv.cpu_pool, True)):
         refs = Counter(b.block_id for t in kv.tables.values() if t.on_cpu == on_cpu for b in t.blocks)
         free = set(pool.free_block_ids())
         assert len(free) == pool.num_free_blocks

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from engine.baselines.contiguous import ContiguousKVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceGroup
 
