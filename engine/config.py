@@ -10,7 +10,7 @@ from engine.field_specs import check_fields, spec
 
 PreemptionMode = Literal["recompute", "swap"]
 AttentionBackend = Literal["ext", "torch"]
-KVAllocator = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
+KVAllocatorName = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
     device: str = spec("cpu", help="torch device")
     attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
-    kv_allocator: KVAllocator = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
+    kv_allocator: KVAllocatorName = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
     seed: int = spec(0, help="engine sampling seed")
     num_threads: int | None = spec(help="torch CPU threads")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none

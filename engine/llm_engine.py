@@ -1,7 +1,11 @@
-"""The step-driven engine: requests in, incremental token outputs out."""
+"""The step-driven engine: requests in, incremental token outputs out.
+
+Each ``step``: the scheduler picks the batch, the runner computes its logits,
+the sampler draws the tokens, and ``Scheduler.update_from_output`` records
+them (forks, stops, frees); the engine turns the groups that got tokens into
+incremental ``RequestOutput``s."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -17,7 +21,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.resolved_config import resolve_config
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
@@ -36,11 +40,10 @@ class LLMEngine:
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
         self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))
-        self.scheduler = Scheduler(self.config.scheduler)
+        self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
-        self._seq_ids = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -48,7 +51,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), len(prompt_token_ids))
+        seq = Sequence(list(prompt_token_ids), len(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, time.time() if arrival_time is None else arrival_time,
                               cache_salt=cache_salt.encode() if cache_salt else None)
         self.scheduler.add_group(group)
@@ -99,7 +102,6 @@ class LLMEngine:
             return outputs
         try:
             logits = self.runner.execute(out)
-            self.scheduler.finish_step(out)
             return outputs + self._process_samples(out, logits)
         except Exception as exc:  # a failing batch fails its requests, never the engine
             logger.exception("step failed; failing its %d scheduled requests", len(out.scheduled))
@@ -107,57 +109,20 @@ class LLMEngine:
 
     def _process_samples(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
         now = time.time()
-        sampled = [s for s in out.scheduled if s.do_sample]
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
-        if not sampled:
-            return []
-        rows, seqs = self._sample_rows(sampled)
-        params = [sampled[r].group.params for r in rows]
-        if len(rows) != len(sampled):  # forks draw several tokens from one row
+        samples = out.samples()
+        groups = self.scheduler.update_from_output(out, self._sample(samples, logits))
+        self._generation_tokens_total += len(samples)
+        return [self._step_output(g, now) for g in groups]
+
+    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:
+        if not samples:
+            return SamplerOutput([], [])
+        rows = [row for row, _, _ in samples]
+        if len(rows) != logits.shape[0]:  # forks draw several tokens from one row
             logits = logits[rows]
-        result = self.sampler(logits, seqs, params)
-        groups: dict[str, SequenceGroup] = {}
-        for r, seq, token, lp in zip(rows, seqs, result.token_ids, result.logprobs):
-            group = sampled[r].group
-            seq.append_token(token, lp)
-            self._check_stop(group, seq, token)
-            groups[group.request_id] = group
-        self._generation_tokens_total += len(seqs)
-        return [self._step_output(g, now) for g in groups.values()]
-
-    def _sample_rows(self, sampled: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
-        """Logits row per sequence to sample; a group with n > 1 forks here, after its prompt,
-        so its n seqs share the prompt's blocks and draw their first tokens from the same row."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for r, s in enumerate(sampled):
-            rows.append(r)
-            seqs.append(s.seq)
-            if s.group.params.n > 1 and len(s.group.seqs) == 1:
-                for child in self._fork(s.group, s.seq):
-                    rows.append(r)
-                    seqs.append(child)
-        return rows, seqs
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        children = []
-        for index in range(1, group.params.n):
-            child = Sequence(next(self._seq_ids), list(parent.token_ids), parent.num_prompt_tokens, index=index)
-            self.scheduler.fork(group, parent, child)  # shares the blocks, copies num_computed_tokens
-            children.append(child)
-        return children
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
-        p = group.params
-        status = None
-        if seq.num_output_tokens >= p.min_tokens and (
-                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif seq.num_output_tokens >= (p.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish_seq(group, seq, status)
+        return self.sampler(logits, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples])
 
     def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         groups = {s.group.request_id: s.group for s in out.scheduled}

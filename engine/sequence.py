@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestMetrics, TokenLogprobs
@@ -28,6 +29,7 @@ class SequenceStatus(enum.Enum):
 
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
              SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}
+_seq_ids = itertools.count()
 
 
 @dataclass(slots=True, eq=False)
@@ -35,7 +37,6 @@ class Sequence:
     """One token stream. ``token_ids`` holds prompt then output tokens;
     ``num_computed_tokens`` counts the prefix whose K/V is in the cache."""
 
-    seq_id: int
     token_ids: list[int]
     num_prompt_tokens: int
     index: int = 0  # choice index within its group (n > 1)
@@ -44,6 +45,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already returned by LLMEngine.step
+    seq_id: int = field(default_factory=_seq_ids.__next__)  # unique in the process: keys the KV block tables
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +73,10 @@ class Sequence:
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[0][1]  # the sampled token's
+
+    def fork(self, index: int) -> Sequence:
+        """A new sequence with this one's tokens, choice ``index`` of its group."""
+        return Sequence(list(self.token_ids), self.num_prompt_tokens, index)
 
     def reset_for_recompute(self) -> None:
         """Recompute preemption: the K/V is dropped, tokens are kept."""

@@ -4,11 +4,12 @@
 
 For each batch size, ``batch`` requests with ShareGPT-like prompt lengths
 (exponential, mean 161, clipped to [4, 1024], seeded) are prefilled, then every
-step decodes all of them: schedule() + finish_step() + the engine's token
-append, timed over ``--steps`` steps (best of ``--repeats`` runs). Prefix
-caching is on, so the cost of hashing newly-full blocks is included. No
-model runs: this is the scheduler's overhead per step, to compare with the
-step time of the forward pass.
+step decodes all of them: schedule() + the post-step update_from_output()
+(K/V marked computed, tokens appended, stop checks), timed over ``--steps``
+steps (best of ``--repeats`` runs). Prefix caching is on, so the cost of
+hashing newly-full blocks is included. No model runs and the "sampled"
+tokens are made up (untimed): this is the scheduler's overhead per step, to
+compare with the step time of the forward pass.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
+from engine.core.scheduler_output import SchedulerOutput
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
 
@@ -30,13 +33,12 @@ from engine.sequence import Sequence, SequenceGroup
 class StepCost:
     batch: int
     schedule_us: float
-    finish_step_us: float
-    append_us: float
+    update_us: float
     stats_us: float
 
     @property
     def total_us(self) -> float:
-        return self.schedule_us + self.finish_step_us + self.append_us
+        return self.schedule_us + self.update_us
 
 
 def _prompt_lengths(batch: int, seed: int) -> list[int]:
@@ -51,39 +53,37 @@ def _decoding_scheduler(batch: int, steps: int, seed: int) -> Scheduler:
         num_device_blocks=num_blocks, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch))))
     for i, n in enumerate(lengths):
         tokens = [(i * 7919 + t) % 32000 for t in range(n)]
-        sched.add_group(SequenceGroup(f"r{i}", [Sequence(i, tokens, n)], SamplingParams(max_tokens=None), i))
+        sched.add_group(SequenceGroup(f"r{i}", [Sequence(tokens, n)], SamplingParams(max_tokens=None), i))
     while True:  # prefill everything (chunked) until every sequence decodes
         out = sched.schedule()
-        sched.finish_step(out)
-        _sample(out)
+        sched.update_from_output(out, _sample(out))
         if len(out.scheduled) == batch and all(s.num_new_tokens == 1 for s in out.scheduled):
             return sched
 
 
-def _sample(out) -> None:
-    for s in out.scheduled:
-        if s.do_sample:
-            s.seq.append_token(s.seq.num_tokens % 32000)
+def _sample(out: SchedulerOutput) -> SamplerOutput:
+    tokens = [seq.num_tokens % 32000 for _, _, seq in out.samples()]
+    return SamplerOutput(tokens, [None] * len(tokens))
 
 
 def measure(batch: int, steps: int, seed: int) -> StepCost:
     sched = _decoding_scheduler(batch, steps, seed)
-    t_sched = t_finish = t_append = t_stats = 0
+    t_sched = t_update = t_stats = 0
     clock = time.thread_time_ns  # CPU time: robust to other load on a shared machine
     for _ in range(steps):
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        sched.finish_step(out)
+        sampled = _sample(out)
         t2 = clock()
-        _sample(out)
+        sched.update_from_output(out, sampled)
         t3 = clock()
         sched.stats()
         t4 = clock()
-        t_sched, t_finish, t_append, t_stats = t_sched + t1 - t0, t_finish + t2 - t1, t_append + t3 - t2, t_stats + t4 - t3
+        t_sched, t_update, t_stats = t_sched + t1 - t0, t_update + t3 - t2, t_stats + t4 - t3
         assert len(out.scheduled) == batch and not out.preempted
     per_step = 1e-3 / steps
-    return StepCost(batch, t_sched * per_step, t_finish * per_step, t_append * per_step, t_stats * per_step)
+    return StepCost(batch, t_sched * per_step, t_update * per_step, t_stats * per_step)
 
 
 def best_cost(batch: int, steps: int, repeats: int, seed: int) -> StepCost:
@@ -100,9 +100,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     costs = [best_cost(b, args.steps, args.repeats, args.seed) for b in args.batches]
-    print(f"{'batch':>6} {'schedule':>10} {'finish':>10} {'append':>10} {'total':>10} {'per seq':>9} {'stats()':>9}  (us/step)")
+    print(f"{'batch':>6} {'schedule':>10} {'update':>10} {'total':>10} {'per seq':>9} {'stats()':>9}  (us/step)")
     for c in costs:
-        print(f"{c.batch:>6} {c.schedule_us:>10.1f} {c.finish_step_us:>10.1f} {c.append_us:>10.1f} "
+        print(f"{c.batch:>6} {c.schedule_us:>10.1f} {c.update_us:>10.1f} "
               f"{c.total_us:>10.1f} {c.total_us / c.batch:>9.2f} {c.stats_us:>9.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

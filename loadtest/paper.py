@@ -22,7 +22,7 @@ for every allocator: ``paged`` and the paper's Orca baselines
 Definitions. A *saturated* run puts every request at t=0; its figures are
 averaged over the steps at which requests wait (the KV pool is the binding
 constraint), which leaves out the final drain. Memory breakdown: shares of the
-taken (non-free) KV slots, see ``engine/core/contiguous_kv_cache_manager.py``.
+taken (non-free) KV slots, see ``engine/baselines/contiguous.py``.
 Batched requests: running requests per step. The highest sustained rate is the
 saturated completion rate (requests finished per second while requests wait):
 above it the queue grows without bound, which is where the Poisson latency

@@ -2,14 +2,15 @@
 
 Nothing here models memory: every admission, block, run, fork and
 fragmentation figure comes from the engine's own ``Scheduler`` and KV manager.
-Only the forward pass is replaced: each step costs a fixed ``step_time_s``
-(taken from a measured real forward pass) and "samples" arbitrary tokens, so
-a memory-bound serving run of thousands of requests takes seconds. Requests
-use ``ignore_eos`` semantics: each generates exactly ``max_tokens`` tokens.
+Only the forward pass and the sampler are replaced: each step costs a fixed
+``step_time_s`` (taken from a measured real forward pass) and draws arbitrary
+tokens, which go through the engine's own post-step
+(``Scheduler.update_from_output``: forks, stops, frees), so a memory-bound
+serving run of thousands of requests takes seconds. Requests use
+``ignore_eos`` semantics: each generates exactly ``max_tokens`` tokens.
 """
 from __future__ import annotations
 
-import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -110,7 +112,6 @@ class Simulation:
         self.now = 0.0
         self.meter = MemoryMeter(track_sharing=track_sharing)
         self._rng = random.Random(seed)
-        self._ids = itertools.count()
         self._latencies: list[float] = []
         self._output_tokens = 0
         self._failed = 0
@@ -139,7 +140,7 @@ class Simulation:
         while self.pending and self.pending[0].arrival <= self.now:
             r = self.pending.popleft()
             params = SamplingParams(n=r.n, max_tokens=r.max_tokens, ignore_eos=True)
-            seq = Sequence(next(self._ids), list(r.prompt), len(r.prompt))
+            seq = Sequence(list(r.prompt), len(r.prompt))
             self.sched.add_group(SequenceGroup(f"r{seq.seq_id}", [seq], params, r.arrival))
 
     def _step(self) -> None:
@@ -147,32 +148,15 @@ class Simulation:
         self._failed += len(out.failed)
         self._saturated = self.meter.observe(self.sched)
         self.now += self.step_time_s
-        self.sched.finish_step(out)
-        for s in out.scheduled:
-            if s.do_sample and s.seq.status is SequenceStatus.RUNNING:
-                self._sample(s.group, s.seq)
+        tokens = [self._rng.randrange(32000) for _ in out.samples()]
+        for group in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens))):
+            if group.is_finished:
+                self._finished(group)
 
-    def _sample(self, group: SequenceGroup, seq: Sequence) -> None:
-        # Like LLMEngine: n > 1 forks after the prompt, so the n samples share its blocks.
-        seqs = [seq] + (self._fork(group, seq) if len(group.seqs) < group.params.n else [])
-        for s in seqs:
-            s.append_token(self._rng.randrange(32000))
-            if s.num_output_tokens >= group.params.max_tokens:
-                self.sched.finish_seq(group, s, SequenceStatus.FINISHED_LENGTH)
-                self._output_tokens += s.num_output_tokens
-        if group.is_finished:
-            tokens = group.params.max_tokens
-            self._latencies.append((self.now - group.arrival_time) / tokens)
-            self._saturated_done += self._saturated
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        children = []
-        for index in range(len(group.seqs), group.params.n):
-            child = Sequence(next(self._ids), list(parent.token_ids), parent.num_prompt_tokens, index=index,
-                             status=parent.status, num_computed_tokens=parent.num_computed_tokens)
-            self.sched.fork(group, parent, child)
-            children.append(child)
-        return children
+    def _finished(self, group: SequenceGroup) -> None:
+        self._output_tokens += sum(s.num_output_tokens for s in group.seqs)
+        self._latencies.append((self.now - group.arrival_time) / group.params.max_tokens)
+        self._saturated_done += self._saturated
 
 
 def simulate(config: EngineConfig, trace: list[TraceRequest], step_time_s: float, seed: int = 0,

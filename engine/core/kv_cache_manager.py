@@ -15,7 +15,7 @@ from engine.core.block_pool import Block, BlockPool
 from engine.core.prefix_hash import ROOT_HASH, hash_block
 
 if TYPE_CHECKING:
-    from engine.core.kv_manager import Admission, SeqSize
+    from engine.core.kv_allocator import Admission, SeqSize
 
 
 @dataclass(slots=True)
@@ -25,7 +25,7 @@ class KVCacheStats:
     Device slots partition exactly: tokens_stored + reserved + internal_frag
     + external_frag + free_slots == num_blocks * block_size. External
     fragmentation is 0 for the paged allocator (any free block serves any
-    request); see contiguous_kv_cache_manager for the baselines' definitions."""
+    request); see engine.baselines.contiguous for the baselines' definitions."""
 
     block_size: int
     num_blocks: int
@@ -71,24 +71,21 @@ class KVCacheManager:
                  enable_caching: bool) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.device = BlockPool(num_device_blocks, block_size, enable_caching)
+        self.device_pool = BlockPool(num_device_blocks, block_size, enable_caching)
+        self.num_blocks = num_device_blocks
         # Swap space beyond the device pool could never be swapped back in whole.
-        self.cpu = BlockPool(min(num_cpu_blocks, num_device_blocks), block_size, enable_caching=False)
+        self.cpu_pool = BlockPool(min(num_cpu_blocks, num_device_blocks), block_size, enable_caching=False)
         self.tables: dict[int, BlockTable] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
 
     @property
-    def num_blocks(self) -> int:
-        return self.device.num_blocks
-
-    @property
     def num_free_blocks(self) -> int:
-        return self.device.num_free_blocks
+        return self.device_pool.num_free_blocks
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return self.cpu.num_free_blocks
+        return self.cpu_pool.num_free_blocks
 
     def block_ids(self, seq_id: int) -> list[int]:
         return list(self.tables[seq_id].block_ids)
@@ -105,31 +102,28 @@ class KVCacheManager:
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = token_ids[start:start + bs]
             parent = hash_block(parent, chunk, salt)
-            block = self.device.lookup(parent, chunk)
+            block = self.device_pool.lookup(parent, chunk)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def num_blocks_to_admit(self, requests: list[tuple[list[Block], int]]) -> int:
-        """Free blocks that admitting (hits, num_tokens) pairs consumes: new
-        blocks plus cached blocks revived from the free queue (counted once)."""
+    def can_admit(self, admissions: list[Admission]) -> bool:
+        """Whether the free blocks cover admitting these sequences: their new blocks
+        plus the cached blocks revived from the free queue (counted once)."""
         new = 0
         revived: set[int] = set()
-        for hits, num_tokens in requests:
-            new += cdiv(num_tokens, self.block_size) - len(hits)
-            revived.update(b.block_id for b in hits if b.ref_count == 0)
-        return new + len(revived)
+        for a in admissions:
+            new += cdiv(a.num_tokens, self.block_size) - len(a.hits)
+            revived.update(b.block_id for b in a.hits if b.ref_count == 0)
+        return new + len(revived) <= self.device_pool.num_free_blocks
 
     def admission_error(self, sizes: list[SeqSize]) -> str | None:
         """Why these sequences could never be admitted together, if so."""
         blocks = sum(cdiv(size.num_tokens, self.block_size) for size in sizes)
-        if blocks > self.device.num_blocks:
-            return f"needs {blocks} KV blocks, the pool has {self.device.num_blocks}"
+        if blocks > self.num_blocks:
+            return f"needs {blocks} KV blocks, the pool has {self.num_blocks}"
         return None
-
-    def can_admit(self, requests: list[Admission]) -> bool:
-        return self.num_blocks_to_admit([(hits, n) for hits, n, _ in requests]) <= self.device.num_free_blocks
 
     def admit(self, seq_id: int, hits: list[Block], salt: bytes | None, num_query_tokens: int,
               size: SeqSize | None = None) -> None:
@@ -138,7 +132,7 @@ class KVCacheManager:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         for block in hits:
-            self.device.incref(block)
+            self.device_pool.incref(block)
         num_cached = len(hits) * self.block_size
         self.tables[seq_id] = BlockTable(
             list(hits), [b.block_id for b in hits], salt, num_cached, num_cached, len(hits),
@@ -147,10 +141,10 @@ class KVCacheManager:
         self.prefix_cache_hits += num_cached
 
     # -- the three primitives ----------------------------------------------
-    def surely_has_room(self, num_tokens: int, num_seqs: int) -> bool:
-        """Cheap sufficient test that ``num_new_blocks`` for ``num_tokens`` new tokens over
-        ``num_seqs`` sequences is free: per sequence at most one spilled block and one copy."""
-        return num_tokens // self.block_size + 2 * num_seqs <= self.device.num_free_blocks
+    def fits_without_counting(self, num_tokens: int, num_seqs: int) -> bool:
+        """Conservative test, without counting blocks, that ``num_new_blocks`` for ``num_tokens`` new
+        tokens over ``num_seqs`` sequences is free: per sequence at most one spilled block and one copy."""
+        return num_tokens // self.block_size + 2 * num_seqs <= self.device_pool.num_free_blocks
 
     def num_new_blocks(self, requests: list[tuple[int, int]]) -> int:
         """Exact device blocks that ``append`` of each (seq_id, num_new_tokens)
@@ -184,7 +178,7 @@ class KVCacheManager:
         if target <= start:
             return None
         copy = self._copy_on_write(table) if start % bs and table.blocks[-1].ref_count > 1 else None
-        pool = self.device
+        pool = self.device_pool
         blocks = table.blocks
         if start % bs and target <= len(blocks) * bs:  # fits in the last block: the decode hot path
             pool.add_fill(blocks[-1], target - start, 0)
@@ -202,11 +196,11 @@ class KVCacheManager:
 
     def _copy_on_write(self, table: BlockTable) -> tuple[int, int]:
         old = table.blocks[-1]
-        new = self.device.allocate()
-        self.device.set_fill(new, old.num_slots, old.num_computed)
+        new = self.device_pool.allocate()
+        self.device_pool.set_fill(new, old.num_slots, old.num_computed)
         table.blocks[-1] = new
         table.block_ids[-1] = new.block_id
-        self.device.decref(old)
+        self.device_pool.decref(old)
         return old.block_id, new.block_id
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -215,9 +209,9 @@ class KVCacheManager:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         if parent.on_cpu or parent.num_slots != parent.num_computed:
-            raise ValueError("fork a running sequence only between steps (after finish_step)")
+            raise ValueError("fork a running sequence only once its K/V is computed (between steps)")
         for block in parent.blocks:
-            self.device.incref(block)
+            self.device_pool.incref(block)
         self.tables[child_id] = BlockTable(
             list(parent.blocks), list(parent.block_ids), parent.salt, parent.num_slots,
             parent.num_computed, parent.num_hashed, parent.last_hash)
@@ -227,7 +221,7 @@ class KVCacheManager:
         table = self.tables.pop(seq_id, None)
         if table is None:
             return
-        pool = self.cpu if table.on_cpu else self.device
+        pool = self.cpu_pool if table.on_cpu else self.device_pool
         # Tail first: the deepest (least shareable) prefix blocks get evicted first.
         for block in reversed(table.blocks):
             pool.decref(block)
@@ -240,7 +234,7 @@ class KVCacheManager:
         if num_computed > table.num_slots:
             raise ValueError(f"sequence {seq_id}: {num_computed} computed > {table.num_slots} reserved slots")
         bs = self.block_size
-        pool = self.device
+        pool = self.device_pool
         done = table.num_computed
         if done % bs and num_computed <= cdiv(done, bs) * bs:  # stays in one block: the decode hot path
             pool.add_fill(table.blocks[done // bs], 0, num_computed - done)
@@ -265,11 +259,11 @@ class KVCacheManager:
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool: (device, cpu) pairs."""
-        return self._move(seq_ids, self.device, self.cpu)
+        return self._move(seq_ids, self.device_pool, self.cpu_pool)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks back to the device: (cpu, device) pairs."""
-        return self._move(seq_ids, self.cpu, self.device)
+        return self._move(seq_ids, self.cpu_pool, self.device_pool)
 
     def _move(self, seq_ids: list[int], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
         if self.num_blocks_of(seq_ids) > dst.num_free_blocks:
@@ -290,16 +284,16 @@ class KVCacheManager:
                 src.decref(block)
             table.blocks = moved
             table.block_ids = [b.block_id for b in moved]
-            table.on_cpu = dst is self.cpu
+            table.on_cpu = dst is self.cpu_pool
         return [(src_id, block.block_id) for src_id, block in mapping.items()]
 
     def stats(self) -> KVCacheStats:
-        dev, bs = self.device, self.block_size
+        dev, cpu, bs = self.device_pool, self.cpu_pool, self.block_size
         used = dev.num_blocks - dev.num_free_blocks
         return KVCacheStats(
             block_size=bs, num_blocks=dev.num_blocks, num_used_blocks=used,
             num_free_blocks=dev.num_free_blocks, num_cached_free_blocks=dev.num_cached_free_blocks,
-            num_cpu_blocks=self.cpu.num_blocks, num_cpu_used_blocks=self.cpu.num_blocks - self.cpu.num_free_blocks,
+            num_cpu_blocks=cpu.num_blocks, num_cpu_used_blocks=cpu.num_blocks - cpu.num_free_blocks,
             num_tokens_stored=dev.num_computed_slots,
             num_reserved_slots=dev.num_used_slots - dev.num_computed_slots,
             num_internal_frag_slots=used * bs - dev.num_used_slots, num_external_frag_slots=0,

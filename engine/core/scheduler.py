@@ -1,8 +1,8 @@
-"""Iteration-level FCFS scheduler over the KV cache.
+"""Iteration-level FCFS scheduler over the KV cache (docs/architecture.md §4).
 
-The KV manager is the paged one or, for the paper's baselines, a contiguous
+The KV allocator is the paged one or, for the paper's baselines, a contiguous
 one (``SchedulerConfig.kv_allocator``): the same policy runs on both; a
-contiguous manager reserves everything at admission, so its running groups
+contiguous allocator reserves everything at admission, so its running groups
 never need blocks and are never preempted.
 
 Each step: running groups first (decodes and continued prefill chunks, in
@@ -18,15 +18,17 @@ not immediately re-created.
 Recompute of a group with several (diverged) sequences: every sequence goes
 back to WAITING and re-prefills its own full token list; the group is
 admitted all-or-nothing and prefix caching dedupes the shared prompt blocks.
+After the forward pass, ``update_from_output`` is the one post-step.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
 
-from engine.core.kv_manager import Admission, SeqSize, make_kv_manager
+from engine.core.kv_allocator import Admission, SeqSize, make_kv_allocator
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
 
@@ -34,18 +36,17 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
 
-Plan = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
-
 
 def _pending_forks(group: SequenceGroup) -> int:
     """Sequences a group of n samples has yet to fork (forks follow the prompt)."""
-    return max(0, group.params.n - len(group.seqs))
+    return group.params.n - len(group.seqs)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
-        self.kv = make_kv_manager(config)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = make_kv_allocator(config)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
         self.swapped: deque[SequenceGroup] = deque()  # oldest first
@@ -84,18 +85,6 @@ class Scheduler:
             aborted.append(group)
         return aborted
 
-    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares all of ``parent``'s blocks (parallel sampling)."""
-        if group.request_id not in self.running or parent.status is not RUNNING:
-            raise ValueError("can only fork a running sequence of a running group")
-        self.kv.fork(parent.seq_id, child.seq_id)
-        if len(group.seqs) < group.params.n:
-            self._num_pending_forks -= 1
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RUNNING
-        group.seqs.append(child)
-        self._num_running_seqs += 1
-
     def finish_seq(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
@@ -127,27 +116,61 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         return out
 
-    def finish_step(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote K/V for every scheduled token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceGroup]:
+        """After the forward pass of ``out``, with one sampled token per ``out.samples()``: record the
+        K/V, fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the
+        sequences that stop. Returns the groups that got tokens, in schedule order."""
+        self._mark_computed(out)
+        groups: dict[SequenceGroup, None] = {}  # an ordered set
+        for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.status is RUNNING:  # not finished or aborted meanwhile
+                seq.append_token(token, logprobs)
+                self._check_stop(s.group, seq, token)
+                groups[s.group] = None
+        return list(groups)
+
+    def _mark_computed(self, out: SchedulerOutput) -> None:
+        """The forward pass wrote K/V for every scheduled token; then the forks share it."""
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             seq = s.seq
-            if seq.status is not RUNNING:  # finished or aborted meanwhile
+            if seq.status is not RUNNING:
                 continue
             seq.num_computed_tokens = done = s.start + s.num_new_tokens
             mark_computed(seq.seq_id, done, seq.token_ids)
+            for child in s.forks:
+                self._fork(s.group, seq, child)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks and takes a seat its group kept."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RUNNING
+        group.seqs.append(child)
+        self._num_running_seqs += 1
+        self._num_pending_forks -= 1
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
+        p, max_len = group.params, self.config.max_model_len
+        if seq.num_output_tokens >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            self.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+        elif ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+              or (max_len is not None and seq.num_tokens >= max_len)):
+            self.finish_seq(group, seq, SequenceStatus.FINISHED_LENGTH)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         kv = self.kv
+        roomy = kv.fits_without_counting(budget, self._num_running_seqs)  # then every group fits: check none
         for group in list(self.running.values()):
             if budget <= 0 or group.request_id not in self.running:
                 break  # a preempted victim: every later group went before it
             seqs = group.seqs if len(group.seqs) == 1 else group.seqs_with(RUNNING)
-            plan, num_tokens = self._plan(seqs, budget)
+            plan, num_tokens = self._plan(group, seqs, budget)
             if not plan:
                 continue
-            if not kv.surely_has_room(num_tokens, len(plan)):  # tight: count exactly
-                need = kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
+            if not roomy and not kv.fits_without_counting(num_tokens, len(plan)):  # tight: count exactly
+                need = kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
                 if need > kv.num_free_blocks and not self._make_room(group, need, out):
                     break
             self._commit(group, plan, out)
@@ -158,9 +181,10 @@ class Scheduler:
         while self.swapped and budget > 0:
             group = self.swapped[0]
             seqs = group.seqs_with(SWAPPED)
-            plan, num_tokens = self._plan(seqs, budget)
+            plan, num_tokens = self._plan(group, seqs, budget)
             seq_ids = [s.seq_id for s in seqs]
-            need = self.kv.num_blocks_of(seq_ids) + self.kv.num_new_blocks([(s.seq_id, n) for s, n in plan])
+            need = self.kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
+            need += self.kv.num_blocks_of(seq_ids)
             if need > self.kv.num_blocks:
                 self._fail(self.swapped.popleft(), f"needs {need} KV blocks, the pool has {self.kv.num_blocks}", out)
                 continue
@@ -188,18 +212,20 @@ class Scheduler:
             seats = self._num_running_seqs + self._num_pending_forks + self._seq_demand(group)
             if seats > self.config.max_num_seqs:
                 break
-            requests, plan, left = [], [], budget
+            admissions, plan, left = [], [], budget
             for seq in seqs:
                 hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
-                num_new = self._chunk(seq.num_tokens - len(hits) * bs, left)
-                requests.append((hits, len(hits) * bs + num_new, self._size(group, seq)))
-                plan.append((seq, num_new))
+                start = len(hits) * bs
+                num_new = self._chunk(seq.num_tokens - start, left)
+                admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
+                if num_new:
+                    plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
                 left -= num_new
-            if plan[0][1] == 0 or not self.kv.can_admit(requests):
-                break
+            if not plan or plan[0].seq is not seqs[0] or not self.kv.can_admit(admissions):
+                break  # the first sequence must make progress
             self.waiting.popleft()
-            self._admit(group, seqs, requests)
-            self._commit(group, [(s, n) for s, n in plan if n], out)
+            self._admit(group, seqs, admissions)
+            self._commit(group, plan, out)
             budget = left
 
     # -- helpers -------------------------------------------------------------
@@ -209,16 +235,17 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, seqs: list[Sequence], budget: int) -> tuple[Plan, int]:
-        """Each sequence's share of ``budget`` (in order), and their sum."""
+    def _plan(self, group: SequenceGroup, seqs: list[Sequence], budget: int) -> tuple[list[ScheduledSeq], int]:
+        """The leading ``seqs``' shares of ``budget`` (block tables come with ``_commit``), and their sum."""
         plan = []
         total = 0
         for seq in seqs:
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            start = seq.num_computed_tokens
+            remaining = len(seq.token_ids) - start
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
             if num_new <= 0:
                 break
-            plan.append((seq, num_new))
+            plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == len(seq.token_ids)))
             total += num_new
         return plan, total
 
@@ -231,16 +258,19 @@ class Scheduler:
                 return False
         return True
 
-    def _commit(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> None:
+    def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput) -> None:
         kv = self.kv
-        scheduled = out.scheduled
-        for seq, num_new in plan:
-            copy = kv.append(seq.seq_id, num_new)
+        for s in plan:
+            seq_id = s.seq.seq_id
+            copy = kv.append(seq_id, s.num_new_tokens)
             if copy is not None:
                 out.blocks_to_copy.append(copy)
-            start = seq.num_computed_tokens
-            scheduled.append(ScheduledSeq(group, seq, start, num_new, kv.block_ids(seq.seq_id),
-                                          start + num_new == len(seq.token_ids)))
+            s.block_table = kv.block_ids(seq_id)
+        out.scheduled += plan
+        # n > 1: fork once the (one) prompt is in. No group has forks pending in a steady decode.
+        if self._num_pending_forks and len(group.seqs) < group.params.n and plan[-1].do_sample:
+            parent = plan[-1]
+            parent.forks = tuple(parent.seq.fork(index) for index in range(len(group.seqs), group.params.n))
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         del self.running[group.request_id]
@@ -264,11 +294,11 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(group)
 
-    def _admit(self, group: SequenceGroup, seqs: list[Sequence], requests: list[Admission]) -> None:
+    def _admit(self, group: SequenceGroup, seqs: list[Sequence], admissions: list[Admission]) -> None:
         # Take every hit first so allocating one sequence's new blocks cannot evict another's hit.
-        for seq, (seq_hits, _, size) in zip(seqs, requests):
-            self.kv.admit(seq.seq_id, seq_hits, group.cache_salt, seq.num_tokens, size)
-            seq.num_computed_tokens = len(seq_hits) * self.config.block_size
+        for seq, a in zip(seqs, admissions):
+            self.kv.admit(seq.seq_id, a.hits, group.cache_salt, seq.num_tokens, a.size)
+            seq.num_computed_tokens = len(a.hits) * self.config.block_size
         if group.metrics.num_preemptions == 0:
             group.num_cached_tokens = seqs[0].num_computed_tokens
         self._set_running(group, seqs)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.config import EngineConfig, KVAllocator, PreemptionMode
+from engine.config import EngineConfig, KVAllocatorName, PreemptionMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +17,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
     preemption_mode: PreemptionMode
-    kv_allocator: KVAllocator
+    kv_allocator: KVAllocatorName
 
     @classmethod
     def resolved(cls, config: EngineConfig, **values: int) -> SchedulerConfig:

@@ -14,15 +14,18 @@ class ScheduledSeq:
     ``seq.token_ids`` (positions equal indices); ``block_table`` already has
     room for them. ``do_sample`` is true when, after this step, every known
     token has K/V, so the last position's logits pick the next token (false for
-    the non-final chunks of a chunked prefill).
+    the non-final chunks of a chunked prefill). ``forks`` are the children a
+    group of n > 1 samples forks once its prompt is in: they share its blocks
+    and draw their first tokens from this sequence's logits.
     """
 
     group: SequenceGroup
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int]
     do_sample: bool
+    block_table: list[int] = field(default_factory=list)
+    forks: tuple[Sequence, ...] = ()
 
 
 @dataclass(slots=True)
@@ -38,6 +41,19 @@ class SchedulerOutput:
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
+
+    def samples(self) -> list[tuple[int, ScheduledSeq, Sequence]]:
+        """(logits row, scheduled seq, sequence) per token to draw, in the sampler's order:
+        row r is the r-th ``do_sample`` sequence, shared by the children it forks."""
+        samples = []
+        row = 0
+        for s in self.scheduled:
+            if s.do_sample:
+                samples.append((row, s, s.seq))
+                if s.forks:
+                    samples += [(row, s, child) for child in s.forks]
+                row += 1
+        return samples
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,28 +1,28 @@
 """Builders and independent checks shared by the core tests."""
 from __future__ import annotations
 
-import itertools
 from collections import Counter
+from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import SchedulerOutput
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
-
-_seq_ids = itertools.count()
 
 
 def make_seq(token_ids: list[int], num_prompt_tokens: int | None = None) -> Sequence:
     tokens = list(token_ids)
-    return Sequence(next(_seq_ids), tokens, len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
+    return Sequence(tokens, len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
 
 
 def make_group(request_id: str, prompt: list[int], arrival: float = 0.0, n: int = 1,
-               salt: bytes | None = None) -> SequenceGroup:
-    return SequenceGroup(request_id, [make_seq(prompt)], SamplingParams(n=n), arrival, cache_salt=salt)
+               salt: bytes | None = None, max_tokens: int | None = 16) -> SequenceGroup:
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    return SequenceGroup(request_id, [make_seq(prompt)], params, arrival, cache_salt=salt)
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -31,26 +31,22 @@ def make_scheduler(**overrides) -> Scheduler:
     return Scheduler(SchedulerConfig.without_model(EngineConfig(**fields)))
 
 
-def fork_child(sched: Scheduler, group: SequenceGroup, parent: Sequence) -> Sequence:
-    child = Sequence(next(_seq_ids), list(parent.token_ids), parent.num_prompt_tokens, index=len(group.seqs))
-    sched.fork(group, parent, child)
-    return child
+def _default_token(group: SequenceGroup, seq: Sequence) -> int:
+    return (seq.seq_id * 7 + seq.num_tokens) % 50  # differs between sequences
 
 
-def sample_token(seq: Sequence) -> int:
-    """A deterministic 'sampled' token that differs between sequences."""
-    return (seq.seq_id * 7 + seq.num_tokens) % 50
+def sample(out: SchedulerOutput, token: Callable[[SequenceGroup, Sequence], int] = _default_token) -> SamplerOutput:
+    """What a sampler would return for ``out``: a deterministic token per sample."""
+    tokens = [token(s.group, seq) for _, s, seq in out.samples()]
+    return SamplerOutput(tokens, [None] * len(tokens))
 
 
 def run_step(sched: Scheduler, memory: KVMemory | None = None) -> SchedulerOutput:
-    """One engine step: schedule, (simulated) forward pass, finish_step, sample."""
+    """One engine step: schedule, (simulated) forward pass, sample, update_from_output."""
     out = sched.schedule()
     if memory is not None:
         memory.execute(out, sched.config.block_size)
-    sched.finish_step(out)
-    for s in out.scheduled:
-        if s.do_sample:
-            s.seq.append_token(sample_token(s.seq))
+    sched.update_from_output(out, sample(out))
     return out
 
 
@@ -84,7 +80,7 @@ class KVMemory:
 
 def check_kv_invariants(kv: KVCacheManager) -> None:
     """Block accounting, checked against the tables (not the pool's counters)."""
-    for pool, on_cpu in ((kv.device, False), (kv.cpu, True)):
+    for pool, on_cpu in ((kv.device_pool, False), (kv.cpu_pool, True)):
         refs = Counter(b.block_id for t in kv.tables.values() if t.on_cpu == on_cpu for b in t.blocks)
         free = set(pool.free_block_ids())
         assert len(free) == pool.num_free_blocks

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.buddy_allocator import BuddyAllocator, order_of
+from engine.baselines.buddy import BuddyAllocator, order_of
 
 from .helpers import arena_decomposition
 

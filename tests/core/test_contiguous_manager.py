@@ -4,11 +4,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from engine.baselines.contiguous import ContiguousKVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.sequence import SequenceGroup
 
-from .helpers import KVMemory, arena_decomposition, make_group, make_scheduler, make_seq
+from .helpers import KVMemory, arena_decomposition, make_group, make_scheduler, make_seq, run_step
 
 BS = 8
 MAX_LEN = 64
@@ -40,19 +40,6 @@ def _expected_run(policy: str, prompt_len: int, max_tokens: int) -> int:
     while run < blocks:
         run *= 2
     return run
-
-
-def _step(sched, memory: KVMemory):
-    """schedule -> simulated forward -> finish_step -> sample; stop at max_tokens."""
-    out = sched.schedule()
-    memory.execute(out, BS)
-    sched.finish_step(out)
-    for s in out.scheduled:
-        if s.do_sample:
-            s.seq.append_token((s.seq.seq_id * 7 + s.seq.num_tokens) % 50)
-            if s.seq.num_output_tokens >= s.group.params.max_tokens:
-                sched.finish_seq(s.group, s.seq, SequenceStatus.FINISHED_LENGTH)
-    return out
 
 
 def _check(sched, memory: KVMemory) -> None:
@@ -107,7 +94,7 @@ def test_random_traces_never_overlap_and_free_everything(policy, num_blocks, chu
             break
         if step == abort_at:
             sched.abort(["r0"])
-        _step(sched, memory)
+        run_step(sched, memory)
         _check(sched, memory)
         assert sched.num_preemptions == 0  # everything was reserved up front
     assert not sched.has_unfinished()
@@ -120,20 +107,20 @@ def test_blocked_admission_reports_scattered_free_slots_as_external_fragmentatio
     memory = KVMemory()
     for i in range(4):  # 4 runs of 2 blocks fill the arena
         sched.add_group(_group(f"r{i}", 8, 8 if i % 2 else 2))
-    _step(sched, memory)
+    run_step(sched, memory)
     assert sched.num_running == 4
     for _ in range(2):  # r0 and r2 (2 output tokens) finish: two scattered free 2-block runs
-        _step(sched, memory)
+        run_step(sched, memory)
     assert sched.num_running == 2
     sched.add_group(_group("big", 20, 12))  # needs a 4-block run
-    _step(sched, memory)
+    run_step(sched, memory)
     stats = sched.kv.stats()
     assert "big" not in sched.running
     assert stats.num_external_frag_slots == 4 * BS and stats.num_free_slots == 0
     _check(sched, memory)
     sched.add_group(_group("huge", 40, 24))  # an 8-block run: more than is free in any layout
     sched.abort("big")
-    _step(sched, memory)
+    run_step(sched, memory)
     stats = sched.kv.stats()
     assert "huge" not in sched.running
     assert stats.num_external_frag_slots == 0 and stats.num_free_slots == 4 * BS
@@ -163,7 +150,7 @@ def test_paged_and_contiguous_agree_on_a_trace_that_fits():
             sched.add_group(_group(f"r{i}", p, m))
         trace = []
         while sched.has_unfinished():
-            out = _step(sched, memory)
+            out = run_step(sched, memory)
             trace.append([(s.group.request_id, s.start, s.num_new_tokens) for s in out.scheduled])
         shapes[policy] = trace
     assert all(t == shapes["paged"] for t in shapes.values())

@@ -23,7 +23,7 @@ def _prefill(kv: KVCacheManager, seq_id: int, tokens: list[int], salt: bytes | N
 
 
 def _refs(kv: KVCacheManager, ids: list[int]) -> list[int]:
-    return [kv.device.blocks[i].ref_count for i in ids]
+    return [kv.device_pool.blocks[i].ref_count for i in ids]
 
 
 def test_prefill_without_hit_takes_fresh_blocks():
@@ -75,11 +75,11 @@ def test_new_request_hit_at_lru_front_is_not_the_block_evicted():
     kv.free(0)  # empty block 1 goes to the front, cached block 0 to the back
     assert _prefill(kv, 1, list(range(8))) == [1, 2]
     kv.free(1)  # tail first: 2 then 1, both cached
-    assert kv.device.free_block_ids() == [0, 2, 1]  # C's block is least recently used
+    assert kv.device_pool.free_block_ids() == [0, 2, 1]  # C's block is least recently used
     assert kv.stats().num_cached_free_blocks == 3
     table = _prefill(kv, 2, c_tokens + [77, 78])
     assert table == [0, 2]  # the hit is revived; the next LRU block is evicted instead
-    assert kv.device.blocks[2].block_hash is None
+    assert kv.device_pool.blocks[2].block_hash is None
     assert len(kv.find_cached_prefix(list(range(8)) + [0], None)) == 1  # block 1 still cached
 
 
@@ -152,7 +152,7 @@ def test_swap_out_and_in_move_each_shared_block_once():
     cpu_ids = [c for _, c in out]
     assert kv.block_ids(0) == kv.block_ids(1) == cpu_ids
     assert kv.num_free_blocks == 8 and kv.stats().num_cpu_used_blocks == 2
-    assert [kv.cpu.blocks[c].ref_count for c in cpu_ids] == [2, 2]
+    assert [kv.cpu_pool.blocks[c].ref_count for c in cpu_ids] == [2, 2]
     check_kv_invariants(kv)
     back = kv.swap_in([0, 1])
     assert [c for c, _ in back] == cpu_ids
@@ -169,7 +169,7 @@ def test_swap_without_room_is_refused():
 
 
 def test_cpu_pool_never_exceeds_device_pool():
-    assert _manager(num_blocks=4, num_cpu=100).cpu.num_blocks == 4
+    assert _manager(num_blocks=4, num_cpu=100).cpu_pool.num_blocks == 4
 
 
 def test_reserved_slots_show_in_stats_until_computed():

@@ -2,7 +2,7 @@ import pytest
 
 from engine.sequence import SequenceStatus
 
-from .helpers import KVMemory, check_kv_invariants, fork_child, make_group, make_scheduler, run_step
+from .helpers import KVMemory, check_kv_invariants, make_group, make_scheduler, run_step, sample
 
 
 def _shape(out) -> list[tuple[str, int, int, bool]]:
@@ -165,12 +165,13 @@ def test_swap_preemption_moves_the_victim_to_cpu_and_back_before_admissions():
 
 def test_abort_frees_every_block_in_every_state():
     sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=5, preemption_mode="swap")
-    groups = _fill_decoding(sched, 3, 4, KVMemory())
-    run_step(sched)  # r2 swapped
+    sched.add_group(make_group("f", list(range(50, 58)), arrival=-1, n=2))
+    _fill_decoding(sched, 2, 8, KVMemory())  # f forks after its prompt; r0 and r1 prefill
+    run_step(sched)  # the decodes need 3 new blocks, 2 are free: r1 is swapped out
+    assert sched.num_swapped == 1 and len(sched.running["f"].seqs) == 2
     sched.add_group(make_group("w", [1, 2, 3]))  # waiting
-    fork_child(sched, groups[0], groups[0].seqs[0])
-    aborted = sched.abort(["r0", "r1", "r2", "w", "unknown"])
-    assert [g.request_id for g in aborted] == ["r0", "r1", "r2", "w"]
+    aborted = sched.abort(["f", "r0", "r1", "w", "unknown"])
+    assert [g.request_id for g in aborted] == ["f", "r0", "r1", "w"]
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for g in aborted for s in g.seqs)
     stats = sched.stats()
     assert stats.num_blocks_used == 0 and stats.num_cpu_blocks_used == 0
@@ -179,12 +180,12 @@ def test_abort_frees_every_block_in_every_state():
     assert sched.schedule().is_empty
 
 
-def test_abort_between_schedule_and_finish_step_is_safe():
+def test_abort_between_schedule_and_update_is_safe():
     sched = make_scheduler()
-    sched.add_group(make_group("a", [1, 2, 3]))
+    sched.add_group(make_group("a", [1, 2, 3], n=2))
     out = sched.schedule()
     sched.abort("a")
-    sched.finish_step(out)
+    assert sched.update_from_output(out, sample(out)) == []
     assert sched.stats().num_blocks_used == 0 and not sched.has_unfinished()
 
 
@@ -193,11 +194,11 @@ def test_fork_then_decode_emits_one_copy_on_write():
     memory = KVMemory()
     group = make_group("a", list(range(6)), n=2)
     sched.add_group(group)
-    run_step(sched, memory)
-    parent = group.seqs[0]
-    child = fork_child(sched, group, parent)
-    child.token_ids[-1] = 42  # the child sampled a different token
+    run_step(sched, memory)  # the prompt; then the child forks and both draw a first token
+    parent, child = group.seqs
+    assert (parent.index, child.index) == (0, 1) and parent.token_ids[-1] != child.token_ids[-1]
     shared = sched.kv.block_ids(parent.seq_id)
+    assert sched.kv.block_ids(child.seq_id) == shared
     out = run_step(sched, memory)
     assert out.blocks_to_copy == [(shared[0], out.scheduled[0].block_table[0])]
     assert out.scheduled[1].block_table == shared
@@ -210,7 +211,7 @@ def test_finished_group_leaves_and_returns_its_blocks():
     group = make_group("a", list(range(5)), n=2)
     sched.add_group(group)
     run_step(sched)
-    child = fork_child(sched, group, group.seqs[0])
+    child = group.seqs[1]
     sched.finish_seq(group, group.seqs[0], SequenceStatus.FINISHED_LENGTH)
     assert sched.num_running == 1
     sched.finish_seq(group, child, SequenceStatus.FINISHED_STOPPED)
@@ -253,8 +254,8 @@ def test_recomputed_forked_group_reprefills_each_sequence(caching, start):
     sched.add_group(b)
     sched.add_group(a)
     run_step(sched, memory)
-    child = fork_child(sched, a, a.seqs[0])
-    child.token_ids[-1] = 42  # the siblings diverge
+    child = a.seqs[1]
+    assert child.token_ids[-1] != a.seqs[0].token_ids[-1]  # the siblings diverge
     for _ in range(5):
         out = run_step(sched, memory)
         _check_contents(sched, memory)

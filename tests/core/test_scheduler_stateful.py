@@ -1,13 +1,13 @@
-"""Random add / fork / step (append, copy-on-write, preempt, swap) / finish /
-abort sequences against the scheduler, checking the KV accounting and the
-simulated cache contents after every step."""
+"""Random add / step (fork after the prompt, append, copy-on-write, preempt,
+swap, stop) / finish / abort sequences against the scheduler, checking the KV
+accounting and the simulated cache contents after every step."""
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.sequence import SequenceStatus
 
-from .helpers import KVMemory, check_kv_invariants, fork_child, make_group, make_scheduler
+from .helpers import KVMemory, check_kv_invariants, make_group, make_scheduler, sample
 
 BS = 8
 MAX_OUTPUT = 6
@@ -28,7 +28,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.integers(0, 2), length=st.integers(1, 30), n=st.integers(1, 3),
           salt=st.sampled_from([None, b"tenant"]))
     def add(self, prefix, length, n, salt):
-        group = make_group(f"r{len(self.groups)}", PREFIXES[prefix][:length], arrival=len(self.groups), n=n, salt=salt)
+        group = make_group(f"r{len(self.groups)}", PREFIXES[prefix][:length], arrival=len(self.groups), n=n,
+                           salt=salt, max_tokens=MAX_OUTPUT)
         self.groups[group.request_id] = group
         self.sched.add_group(group)
 
@@ -43,29 +44,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         for s in out.scheduled:  # never write a shared block in place
             for j in range(s.start // BS, -(-(s.start + s.num_new_tokens) // BS)):
-                assert kv.device.blocks[s.block_table[j]].ref_count == 1
+                assert kv.device_pool.blocks[s.block_table[j]].ref_count == 1
         assert not {d for d, _ in out.blocks_to_swap_out} & {d for _, d in out.blocks_to_swap_in}
-        assert all(kv.device.blocks[d].ref_count == 1 for _, d in out.blocks_to_copy)
+        assert all(kv.device_pool.blocks[d].ref_count == 1 for _, d in out.blocks_to_copy)
         self.memory.execute(out, BS)
-        sched.finish_step(out)
-        for s in out.scheduled:
-            if s.do_sample:
-                # Independent of the global seq ids, so every example replays identically.
-                s.seq.append_token((s.seq.index * 7 + s.seq.num_tokens + int(s.group.request_id[1:])) % 50)
-                if s.seq.num_output_tokens >= MAX_OUTPUT or s.seq.num_tokens >= 40:
-                    sched.finish_seq(s.group, s.seq, SequenceStatus.FINISHED_LENGTH)
+        sched.update_from_output(out, sample(out, _token))  # stops at MAX_OUTPUT or max_model_len
         self._check_contents()
-
-    def _forkable(self):
-        return [(g, s) for g in self.sched.running.values() if len(g.seqs) < g.params.n
-                for s in g.seqs if s.status is SequenceStatus.RUNNING and not s.is_prefill]
-
-    @precondition(lambda self: self._forkable())
-    @rule(data=st.data())
-    def fork(self, data):
-        group, parent = data.draw(st.sampled_from(self._forkable()))
-        child = fork_child(self.sched, group, parent)
-        child.token_ids[-1] = (child.token_ids[-1] + 1) % 50  # siblings diverge
 
     @precondition(lambda self: self.sched.num_running)
     @rule(data=st.data())
@@ -100,10 +84,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                     expected_tables.add(seq.seq_id)
         assert set(self.sched.kv.tables) == expected_tables, "a finished or waiting sequence holds blocks"
         kv = self.sched.kv
-        for group in self.sched.running.values():  # the scheduler's cheap test never lies
+        everything = []
+        for group in self.sched.running.values():  # the counting-free test never lies, per group or for all
             requests = [(s.seq_id, s.num_tokens - s.num_computed_tokens) for s in group.seqs_with(SequenceStatus.RUNNING)]
-            if kv.surely_has_room(sum(n for _, n in requests), len(requests)):
+            if kv.fits_without_counting(sum(n for _, n in requests), len(requests)):
                 assert kv.num_new_blocks(requests) <= kv.num_free_blocks
+            everything += requests
+        if kv.fits_without_counting(sum(n for _, n in everything), len(everything)):
+            assert kv.num_new_blocks(everything) <= kv.num_free_blocks
         num_running_seqs = sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.sched.running.values())
         assert num_running_seqs <= self.sched.config.max_num_seqs
         if not self.sched.has_unfinished():
@@ -119,6 +107,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.sched.has_unfinished()
         assert self.sched.stats().num_blocks_used == 0
+
+
+def _token(group, seq):
+    # Independent of the global seq ids, so every example replays identically; siblings diverge.
+    return (seq.index * 7 + seq.num_tokens + int(group.request_id[1:])) % 50
 
 
 SchedulerMachine.TestCase.settings = settings(

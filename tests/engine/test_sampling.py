@@ -25,7 +25,7 @@ def tokens(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
 def draw(logits: list[float], params: SamplingParams, rows: int = 20000) -> torch.Tensor:
     """Empirical token frequencies of ``rows`` independent draws."""
     sampler = Sampler(eos_token_ids=set(), seed=0)
-    seq = Sequence(0, [0], 1)
+    seq = Sequence([0], 1)
     batch = torch.tensor([logits]).repeat(rows, 1)
     picked = torch.tensor(sampler(batch, [seq] * rows, [params] * rows).token_ids)
     return torch.bincount(picked, minlength=len(logits)).float() / rows
@@ -61,7 +61,7 @@ def test_temperature_sharpens_distribution():
 def test_penalties_match_formula():
     """Frequency/presence subtract count-weighted terms of output tokens; repetition scales seen tokens."""
     sampler = Sampler(eos_token_ids=set(), seed=0)
-    seq = Sequence(0, [1, 2, 2, 3, 3], num_prompt_tokens=1)  # prompt [1], outputs [2, 2, 3, 3]
+    seq = Sequence([1, 2, 2, 3, 3], num_prompt_tokens=1)  # prompt [1], outputs [2, 2, 3, 3]
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]])
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0)
     got = sampler._penalize(logits, [seq], [params])

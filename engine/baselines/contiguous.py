@@ -34,12 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.core.buddy_allocator import BuddyAllocator, order_of
+from engine.baselines.buddy import BuddyAllocator, order_of
 from engine.core.kv_cache_manager import KVCacheStats, cdiv
 
 if TYPE_CHECKING:
     from engine.core.block_pool import Block
-    from engine.core.kv_manager import Admission, SeqSize
+    from engine.core.kv_allocator import Admission, SeqSize
 
 POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle")
 
@@ -67,6 +67,8 @@ class ContiguousKVCacheManager:
         self.block_size = block_size
         self.policy = policy
         self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.num_free_cpu_blocks = 0  # no swap pool: nothing is ever preempted
         self.arena = BuddyAllocator(num_blocks)
         self.tables: dict[int, Run] = {}
         self.prefix_cache_queries = 0
@@ -76,16 +78,8 @@ class ContiguousKVCacheManager:
         self._sum_computed = 0
 
     @property
-    def num_blocks(self) -> int:
-        return self.arena.num_blocks
-
-    @property
     def num_free_blocks(self) -> int:
         return self.arena.num_free_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return 0
 
     def block_ids(self, seq_id: int) -> list[int]:
         run = self.tables[seq_id]
@@ -117,12 +111,12 @@ class ContiguousKVCacheManager:
                         f"arena is {self.arena.largest_run}")
         return None
 
-    def can_admit(self, requests: list[Admission]) -> bool:
+    def can_admit(self, admissions: list[Admission]) -> bool:
         """Whether every sequence gets its run now (tried for real, then undone)."""
         taken: list[int] = []
         blocked = None
-        for _, _, size in requests:
-            order = self._order(size)
+        for admission in admissions:
+            order = self._order(admission.size)
             if not self.arena.can_allocate(order):
                 blocked = order
                 break
@@ -145,7 +139,7 @@ class ContiguousKVCacheManager:
         self.prefix_cache_queries += num_query_tokens
 
     # -- growth: all of it was reserved at admission -------------------------
-    def surely_has_room(self, num_tokens: int, num_seqs: int) -> bool:
+    def fits_without_counting(self, num_tokens: int, num_seqs: int) -> bool:
         return True
 
     def num_new_blocks(self, requests: list[tuple[int, int]]) -> int:

@@ -1,8 +1,9 @@
-"""What the scheduler asks of a KV cache manager, and which one a config gets.
+"""What the scheduler asks of a KV allocator, and which one a config gets.
 
-Two managers implement ``KVManager``: the paged one (PagedAttention: blocks on
-demand, sharing, prefix caching, swap) and the contiguous baselines of the
-paper (Orca: one run of consecutive blocks reserved per request at admission).
+Two allocators implement ``KVAllocator``: the paged ``KVCacheManager``
+(PagedAttention: blocks on demand, sharing, prefix caching, swap) and the
+paper's contiguous baselines in ``engine.baselines`` (Orca: one run of
+consecutive blocks reserved per request at admission).
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.baselines import ContiguousKVCacheManager
 from engine.core.block_pool import Block
-from engine.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from engine.core.scheduler_config import SchedulerConfig
 
@@ -32,17 +33,21 @@ class SeqSize:
     max_len: int | None
 
 
-# (prefix-cache hits, slots it needs now, its size) for one sequence being admitted.
-Admission = tuple[list[Block], int, SeqSize]
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """One sequence being admitted."""
+
+    hits: list[Block]  # its prefix-cache hits
+    num_tokens: int  # token slots it needs now, hits included
+    size: SeqSize
 
 
-class KVManager(Protocol):
+class KVAllocator(Protocol):
     block_size: int
+    num_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
 
-    @property
-    def num_blocks(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
     @property
@@ -50,10 +55,10 @@ class KVManager(Protocol):
     def block_ids(self, seq_id: int) -> list[int]: ...
     def find_cached_prefix(self, token_ids: list[int], salt: bytes | None) -> list[Block]: ...
     def admission_error(self, sizes: list[SeqSize]) -> str | None: ...
-    def can_admit(self, requests: list[Admission]) -> bool: ...
+    def can_admit(self, admissions: list[Admission]) -> bool: ...
     def admit(self, seq_id: int, hits: list[Block], salt: bytes | None, num_query_tokens: int,
               size: SeqSize | None = None) -> None: ...
-    def surely_has_room(self, num_tokens: int, num_seqs: int) -> bool: ...
+    def fits_without_counting(self, num_tokens: int, num_seqs: int) -> bool: ...
     def num_new_blocks(self, requests: list[tuple[int, int]]) -> int: ...
     def append(self, seq_id: int, num_new_tokens: int) -> tuple[int, int] | None: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
@@ -65,7 +70,7 @@ class KVManager(Protocol):
     def stats(self) -> KVCacheStats: ...
 
 
-def make_kv_manager(config: SchedulerConfig) -> KVManager:
+def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
     if config.kv_allocator == "paged":
         return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
                               config.block_size, config.enable_prefix_caching)
