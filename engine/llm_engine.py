@@ -44,8 +44,6 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -56,7 +54,6 @@ class LLMEngine:
                               cache_salt=cache_salt.encode() if cache_salt else None)
         self.scheduler.add_group(group)
         self._groups[request_id] = group
-        self._prompt_tokens_total += len(prompt_token_ids)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._groups:
@@ -88,7 +85,7 @@ class LLMEngine:
     def has_capacity(self) -> bool:
         s = self.scheduler
         kv = s.kv  # its num_free_blocks / num_blocks directly: stats() also computes fields unused here
-        return (s.num_waiting == 0 and s.num_running + s.num_swapped < s.config.max_num_seqs
+        return (not s.waiting and len(s.running) + len(s.swapped) < s.config.max_num_seqs
                 and kv.num_free_blocks > _FREE_BLOCK_WATERMARK * kv.num_blocks)
 
     # ---- one iteration --------------------------------------------------
@@ -113,7 +110,6 @@ class LLMEngine:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
         samples = out.samples()
         groups = self.scheduler.update_from_output(out, self._sample(samples, logits))
-        self._generation_tokens_total += len(samples)
         return [self._step_output(g, now) for g in groups]
 
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:
@@ -168,4 +164,4 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self._prompt_tokens_total, self._generation_tokens_total)
+        return self.scheduler.stats()

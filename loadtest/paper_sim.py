@@ -48,15 +48,15 @@ class MemoryMeter:
     def observe(self, sched: Scheduler) -> bool:
         """Sample the KV state during this step's forward pass; True if requests wait."""
         self.steps += 1
-        self.peak_batch = max(self.peak_batch, sched.num_running)
+        self.peak_batch = max(self.peak_batch, len(sched.running))
         if self.track_sharing:
             self.used_blocks += sched.kv.stats().num_used_blocks
             self.unshared_blocks += sum(len(ids) for ids in _block_tables(sched))
-        if not sched.num_waiting:
+        if not sched.waiting:
             return False
         kv = sched.kv.stats()
         self.saturated_steps += 1
-        self.batch_sum += sched.num_running
+        self.batch_sum += len(sched.running)
         for key, value in (("stored", kv.num_tokens_stored), ("reserved", kv.num_reserved_slots),
                            ("internal", kv.num_internal_frag_slots), ("external", kv.num_external_frag_slots),
                            ("free", kv.num_free_slots)):

@@ -56,6 +56,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_prompt_tokens = 0  # of every group added
+        self.num_generated_tokens = 0
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
@@ -70,6 +72,7 @@ class Scheduler:
                              f"kv_allocator='paged', not {self.config.kv_allocator!r}")
         self._groups[group.request_id] = group
         self.waiting.append(group)
+        self.num_prompt_tokens += len(group.seqs[0].token_ids)
 
     def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
         """Abort groups in any state; their blocks return to the pools."""
@@ -127,6 +130,7 @@ class Scheduler:
                 seq.append_token(token, logprobs)
                 self._check_stop(s.group, seq, token)
                 groups[s.group] = None
+        self.num_generated_tokens += len(sampled.token_ids)
         return list(groups)
 
     def _mark_computed(self, out: SchedulerOutput) -> None:
@@ -349,20 +353,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
-
-    def stats(self, prompt_tokens_total: int = 0, generation_tokens_total: int = 0) -> EngineStats:
-        """The scheduler's and its KV manager's figures, with the engine's token counters."""
+    def stats(self) -> EngineStats:
+        """The scheduler's and its KV allocator's figures."""
         kv = self.kv.stats()
         return EngineStats(
             num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
@@ -374,6 +366,6 @@ class Scheduler:
             kv_internal_frag_slots=kv.num_internal_frag_slots, kv_external_frag_slots=kv.num_external_frag_slots,
             kv_free_slots=kv.num_free_slots, num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.kv.prefix_cache_queries, prefix_cache_hits_total=self.kv.prefix_cache_hits,
-            prompt_tokens_total=prompt_tokens_total, generation_tokens_total=generation_tokens_total,
+            prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generated_tokens,
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks)

@@ -108,10 +108,10 @@ def test_blocked_admission_reports_scattered_free_slots_as_external_fragmentatio
     for i in range(4):  # 4 runs of 2 blocks fill the arena
         sched.add_group(_group(f"r{i}", 8, 8 if i % 2 else 2))
     run_step(sched, memory)
-    assert sched.num_running == 4
+    assert len(sched.running) == 4
     for _ in range(2):  # r0 and r2 (2 output tokens) finish: two scattered free 2-block runs
         run_step(sched, memory)
-    assert sched.num_running == 2
+    assert len(sched.running) == 2
     sched.add_group(_group("big", 20, 12))  # needs a 4-block run
     run_step(sched, memory)
     stats = sched.kv.stats()

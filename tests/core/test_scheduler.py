@@ -147,14 +147,14 @@ def test_swap_preemption_moves_the_victim_to_cpu_and_back_before_admissions():
     out = run_step(sched, memory)
     assert out.preempted == [groups[2]] and [d for d, _ in out.blocks_to_swap_out] == victim_table
     cpu_ids = [c for _, c in out.blocks_to_swap_out]
-    assert groups[2].seqs[0].status is SequenceStatus.SWAPPED and sched.num_swapped == 1
+    assert groups[2].seqs[0].status is SequenceStatus.SWAPPED and len(sched.swapped) == 1
     assert sched.stats().num_cpu_blocks_used == 1 and sched.stats().num_swapped_out_blocks_total == 1
     _check_contents(sched, memory)
     # No room to swap r2 back in (it needs 2 blocks, 1 is free): "late" must not jump ahead.
     sched.add_group(make_group("late", [7, 7, 7], arrival=5))
     out = run_step(sched, memory)
     assert [s[0] for s in _shape(out)] == ["r0", "r1"] and not out.blocks_to_swap_in
-    assert sched.num_waiting == 1
+    assert len(sched.waiting) == 1
     sched.finish_seq(groups[0], groups[0].seqs[0], SequenceStatus.FINISHED_STOPPED)
     out = run_step(sched, memory)
     assert [c for c, _ in out.blocks_to_swap_in] == cpu_ids
@@ -168,14 +168,14 @@ def test_abort_frees_every_block_in_every_state():
     sched.add_group(make_group("f", list(range(50, 58)), arrival=-1, n=2))
     _fill_decoding(sched, 2, 8, KVMemory())  # f forks after its prompt; r0 and r1 prefill
     run_step(sched)  # the decodes need 3 new blocks, 2 are free: r1 is swapped out
-    assert sched.num_swapped == 1 and len(sched.running["f"].seqs) == 2
+    assert len(sched.swapped) == 1 and len(sched.running["f"].seqs) == 2
     sched.add_group(make_group("w", [1, 2, 3]))  # waiting
     aborted = sched.abort(["f", "r0", "r1", "w", "unknown"])
     assert [g.request_id for g in aborted] == ["f", "r0", "r1", "w"]
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for g in aborted for s in g.seqs)
     stats = sched.stats()
     assert stats.num_blocks_used == 0 and stats.num_cpu_blocks_used == 0
-    assert not sched.has_unfinished() and (sched.num_running, sched.num_waiting, sched.num_swapped) == (0, 0, 0)
+    assert not sched.has_unfinished() and (len(sched.running), len(sched.waiting), len(sched.swapped)) == (0, 0, 0)
     check_kv_invariants(sched.kv)
     assert sched.schedule().is_empty
 
@@ -213,9 +213,9 @@ def test_finished_group_leaves_and_returns_its_blocks():
     run_step(sched)
     child = group.seqs[1]
     sched.finish_seq(group, group.seqs[0], SequenceStatus.FINISHED_LENGTH)
-    assert sched.num_running == 1
+    assert len(sched.running) == 1
     sched.finish_seq(group, child, SequenceStatus.FINISHED_STOPPED)
-    assert sched.num_running == 0 and not sched.has_unfinished()
+    assert len(sched.running) == 0 and not sched.has_unfinished()
     assert sched.stats().num_blocks_used == 0
     with pytest.raises(ValueError):
         sched.finish_seq(group, child, SequenceStatus.RUNNING)

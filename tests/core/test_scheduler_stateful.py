@@ -51,7 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched.update_from_output(out, sample(out, _token))  # stops at MAX_OUTPUT or max_model_len
         self._check_contents()
 
-    @precondition(lambda self: self.sched.num_running)
+    @precondition(lambda self: len(self.sched.running))
     @rule(data=st.data())
     def finish(self, data):
         running = [(g, s) for g in self.sched.running.values() for s in g.seqs if not s.is_finished]
