@@ -14,6 +14,7 @@ Keys under one prefix:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -160,6 +161,17 @@ class RedisGatewayBroker(ReplyRouter):
             log.error("unreadable heartbeat: %s", exc)
 
 
+def _unavailable_on_error(method):
+    """The worker sees ``BrokerUnavailable`` whatever the transport raised, so it needs no Redis types."""
+    @functools.wraps(method)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
+    return wrapper
+
+
 class RedisWorkerBroker:
     """An engine worker's side: pull requests, read aborts, publish outputs, beat."""
 
@@ -188,6 +200,7 @@ class RedisWorkerBroker:
         await self._client.aclose()
         await self._blocking.aclose()
 
+    @_unavailable_on_error
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
         """Up to ``count`` new requests (waiting for one if ``block``) and new aborts."""
         try:
@@ -221,6 +234,7 @@ class RedisWorkerBroker:
                 ids.append(fields.get(b"r", b"").decode())
         return ids
 
+    @_unavailable_on_error
     async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]]) -> None:
         """All events of one step in one pipeline; finished requests are acked."""
         if not items:
@@ -241,11 +255,13 @@ class RedisWorkerBroker:
                     pipe.xdel(self._keys.requests, handle.entry_id)
         await pipe.execute()
 
+    @_unavailable_on_error
     async def ack(self, entry_id: bytes) -> None:
         """Drops an entry that cannot be answered (unreadable payload)."""
         await self._client.xack(self._keys.requests, GROUP, entry_id)
         await self._client.xdel(self._keys.requests, entry_id)
 
+    @_unavailable_on_error
     async def heartbeat(self, beat: Heartbeat) -> None:
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms)

@@ -65,7 +65,8 @@ class GatewayBroker(Protocol):
 
 
 class WorkerBroker(Protocol):
-    """An engine worker's side: pull requests, read aborts, publish outputs, beat."""
+    """An engine worker's side: pull requests, read aborts, publish outputs, beat. A transport
+    failure surfaces as ``BrokerUnavailable`` from any of these calls."""
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -15,13 +15,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
-from redis.exceptions import RedisError
-
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-from service.broker_api import Pulled, RequestHandle, WorkerBroker
+from service.broker_api import BrokerUnavailable, Pulled, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
 from service.messages import ChoiceDelta, EventKind, Heartbeat, ReplyEvent
 
@@ -86,8 +84,8 @@ class Worker:
     async def _iterate_safely(self) -> None:
         try:
             await self._iterate()
-        except (RedisError, OSError) as exc:
-            log.warning("Redis error in worker loop: %s", type(exc).__name__)
+        except BrokerUnavailable as exc:
+            log.warning("worker loop: %s", exc)
             await asyncio.sleep(_RETRY_S)
 
     async def _iterate(self) -> None:
@@ -111,8 +109,8 @@ class Worker:
         step = asyncio.ensure_future(self._step())
         try:
             polled = await self.broker.poll(room, block=False)
-        except (RedisError, OSError) as exc:
-            log.warning("Redis error while polling: %s", type(exc).__name__)
+        except BrokerUnavailable as exc:
+            log.warning("polling: %s", exc)
             polled = ([], [])
         return await step, polled
 
@@ -210,15 +208,15 @@ class Worker:
             try:
                 await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
                                                       self.engine.max_model_len, self._stats))
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat failed: %s", type(exc).__name__)
+            except BrokerUnavailable as exc:
+                log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _shutdown(self) -> None:
         try:
             await self._publish_later([])
             await self.broker.publish(self._fail_all("the engine is shutting down", status=503))
-        except (RedisError, OSError):
+        except BrokerUnavailable:
             pass
         await self.broker.close()
         self._executor.shutdown(wait=True)

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.baselines.buddy import BuddyAllocator, order_of
-from engine.core.kv_cache_manager import KVCacheStats, cdiv
+from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
 
 if TYPE_CHECKING:
     from engine.core.block_pool import Block
-    from engine.core.kv_allocator import Admission, SeqSize
 
 POLICIES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle")
 

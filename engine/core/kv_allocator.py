@@ -1,4 +1,5 @@
-"""What the scheduler asks of a KV allocator, and which one a config gets.
+"""What the scheduler asks of a KV allocator: the interface and the plain types it speaks
+(the scheduler picks the implementation).
 
 Two allocators implement ``KVAllocator``: the paged ``KVCacheManager``
 (PagedAttention: blocks on demand, sharing, prefix caching, swap) and the
@@ -7,16 +8,44 @@ consecutive blocks reserved per request at admission).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.baselines import ContiguousKVCacheManager
 from engine.core.block_pool import Block
-from engine.core.kv_cache_manager import KVCacheManager, KVCacheStats
-from engine.core.scheduler_config import SchedulerConfig
 
-logger = logging.getLogger(__name__)
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    """One snapshot; slot counts are in tokens (block_size slots per block).
+
+    Device slots partition exactly: tokens_stored + reserved + internal_frag
+    + external_frag + free_slots == num_blocks * block_size. External
+    fragmentation is 0 for the paged allocator (any free block serves any
+    request); see engine.baselines.contiguous for the baselines' definitions."""
+
+    block_size: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int  # free but still holding a reusable prefix
+    num_cpu_blocks: int
+    num_cpu_used_blocks: int
+    num_tokens_stored: int  # slots holding live K/V (a shared block counted once)
+    num_reserved_slots: int  # claimed for this step, K/V not written yet
+    num_internal_frag_slots: int  # empty tail slots of partially filled blocks
+    num_external_frag_slots: int
+    num_free_slots: int
+    usage: float  # used blocks / num_blocks
+
+    @property
+    def token_utilization(self) -> float:
+        """Share of the taken KV memory (used blocks) holding tokens: bytes of K/V over bytes taken."""
+        taken = self.num_used_blocks * self.block_size
+        return self.num_tokens_stored / taken if taken else 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,18 +97,3 @@ class KVAllocator(Protocol):
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]: ...
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]: ...
     def stats(self) -> KVCacheStats: ...
-
-
-def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
-    if config.kv_allocator == "paged":
-        return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
-                              config.block_size, config.enable_prefix_caching)
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off: the %s allocator shares no blocks (paged only)", config.kv_allocator)
-    if config.num_cpu_blocks:
-        logger.info("swap space unused: the %s allocator reserves at admission and never preempts",
-                    config.kv_allocator)
-    if config.max_model_len is None:
-        raise ValueError(f"the {config.kv_allocator} allocator needs max_model_len")
-    return ContiguousKVCacheManager(config.num_device_blocks, config.block_size, config.kv_allocator,
-                                    config.max_model_len)

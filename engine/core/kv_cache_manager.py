@@ -9,43 +9,10 @@ and whole-sequence swap between the pools.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.core.block_pool import Block, BlockPool
+from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
 from engine.core.prefix_hash import ROOT_HASH, hash_block
-
-if TYPE_CHECKING:
-    from engine.core.kv_allocator import Admission, SeqSize
-
-
-@dataclass(slots=True)
-class KVCacheStats:
-    """One snapshot; slot counts are in tokens (block_size slots per block).
-
-    Device slots partition exactly: tokens_stored + reserved + internal_frag
-    + external_frag + free_slots == num_blocks * block_size. External
-    fragmentation is 0 for the paged allocator (any free block serves any
-    request); see engine.baselines.contiguous for the baselines' definitions."""
-
-    block_size: int
-    num_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_cached_free_blocks: int  # free but still holding a reusable prefix
-    num_cpu_blocks: int
-    num_cpu_used_blocks: int
-    num_tokens_stored: int  # slots holding live K/V (a shared block counted once)
-    num_reserved_slots: int  # claimed for this step, K/V not written yet
-    num_internal_frag_slots: int  # empty tail slots of partially filled blocks
-    num_external_frag_slots: int
-    num_free_slots: int
-    usage: float  # used blocks / num_blocks
-
-    @property
-    def token_utilization(self) -> float:
-        """Share of the taken KV memory (used blocks) holding tokens: bytes of K/V over bytes taken."""
-        taken = self.num_used_blocks * self.block_size
-        return self.num_tokens_stored / taken if taken else 0.0
 
 
 @dataclass(slots=True)
@@ -60,10 +27,6 @@ class BlockTable:
     num_hashed: int = 0  # leading blocks whose chain hash is known
     last_hash: bytes = ROOT_HASH  # chain hash of block num_hashed - 1
     on_cpu: bool = False
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

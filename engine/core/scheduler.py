@@ -22,15 +22,20 @@ After the forward pass, ``update_from_output`` is the one post-step.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 
-from engine.core.kv_allocator import Admission, SeqSize, make_kv_allocator
+from engine.baselines import ContiguousKVCacheManager
+from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -40,6 +45,21 @@ SWAPPED = SequenceStatus.SWAPPED
 def _pending_forks(group: SequenceGroup) -> int:
     """Sequences a group of n samples has yet to fork (forks follow the prompt)."""
     return group.params.n - len(group.seqs)
+
+
+def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
+    if config.kv_allocator == "paged":
+        return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
+                              config.block_size, config.enable_prefix_caching)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off: the %s allocator shares no blocks (paged only)", config.kv_allocator)
+    if config.num_cpu_blocks:
+        logger.info("swap space unused: the %s allocator reserves at admission and never preempts",
+                    config.kv_allocator)
+    if config.max_model_len is None:
+        raise ValueError(f"the {config.kv_allocator} allocator needs max_model_len")
+    return ContiguousKVCacheManager(config.num_device_blocks, config.block_size, config.kv_allocator,
+                                    config.max_model_len)
 
 
 class Scheduler:
