@@ -31,7 +31,7 @@ import aiohttp
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
 from loadtest.bench_offline import Request, make_workload
-from service.flags import add_engine_flags, engine_argv, engine_options
+from service.flags import add_config_flags, config_argv, config_from_args
 from service.local_stack import LocalStack
 
 MODEL_NAME = "bench"
@@ -53,8 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, requests/s")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight")
     p.add_argument("--json", help="write the results here")
-    for section in ("model", "engine"):  # the worker's, for both runs; --seed also seeds the trace
-        add_engine_flags(p.add_argument_group(section), section)
+    add_config_flags(p, [("engine", EngineConfig)])  # the worker's, for both runs; --seed also seeds the trace
     # One torch thread leaves cores for the gateway, Redis and this client; no prefix caching: the
     # trace's prompts are random, and both runs should do the same work.
     p.set_defaults(num_threads=1, num_device_blocks=4096, enable_prefix_caching=False)
@@ -62,7 +61,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    return EngineConfig(**{**engine_options(args), "model": model}, show_progress=False)
+    return config_from_args(EngineConfig, args, model=model, show_progress=False)
 
 
 def warm_up(requests: list[Request]) -> list[Request]:
@@ -99,7 +98,7 @@ def served_stack(model: str, config: EngineConfig) -> LocalStack:
     """A private redis-server, one worker and one gateway, as ``pagedserve serve`` runs them."""
     stack = LocalStack()
     common = ["--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
-    stack.add_worker(common + engine_argv(config))  # with its --model
+    stack.add_worker(common + config_argv(config))  # with its --model
     stack.add_gateway(common + ["--model", model, "--max-pending-requests", "100000"])
     return stack
 

@@ -2,7 +2,8 @@
 
 Every flag has an environment twin, PAGEDSERVE_<FLAG> (dashes as underscores);
 the flag wins when both are given. Repeatable flags take a comma-separated list
-from the environment. The engine's flags are EngineConfig's fields.
+from the environment. The flags are the fields of the configs each command runs
+(EngineConfig, RedisConfig, GatewayConfig, WorkerConfig), derived in service/flags.py.
 """
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
 
 from service.config import GatewayConfig, RedisConfig, WorkerConfig, served_name
-from service.flags import add_engine_flags, add_flag, changed_flags, engine_options, env_name
+from service.flags import (Section, add_config_flags, add_flag, changed_flags, config_from_args, public_values,
+                           secret_env)
 from service.local_stack import LocalStack, RedisServerMissing
 
 log = logging.getLogger("pagedserve")
@@ -28,94 +29,42 @@ _REDIS_HELP = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: s
                "against an existing Redis with --redis-url.")
 
 
-def _redis_flags(parser: argparse.ArgumentParser, with_url: bool = True) -> None:
-    g = parser.add_argument_group("broker")
-    if with_url:
-        add_flag(g, "--redis-url", "Redis URL (redis://host:port/db, rediss://, unix:///path.sock)",
-                 default="redis://127.0.0.1:6379/0")
-    add_flag(g, "--redis-prefix", "key prefix, to share one Redis between deployments", default="pagedserve")
-    add_flag(g, "--redis-block-ms", "blocking-read time of the broker loops", type=int, default=1000)
-
-
-def _model_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    add_engine_flags(g, "model")
-    add_flag(g, "--served-model-name", "name clients send as 'model' (default: the folder's name, or pagedserve-demo)")
-
-
-def _gateway_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("gateway")
-    add_flag(g, "--host", "address to listen on", default="127.0.0.1")
-    add_flag(g, "--port", "HTTP port", type=int, default=8000)
-    add_flag(g, "--api-key", "accepted API key, repeatable (Authorization: Bearer <key>); none: no auth",
-             action="append", default=[])
-    add_flag(g, "--cors-origin", "allowed CORS origin, repeatable ('*' for any)", action="append", default=[])
-    add_flag(g, "--max-body-bytes", "request body limit (413 above)", type=int, default=1 << 20)
-    add_flag(g, "--max-pending-requests", "requests waiting for an engine before 429", type=int, default=256)
-    add_flag(g, "--max-n", "largest n accepted", type=int, default=16)
-    add_flag(g, "--max-stop-strings", "most stop strings per request", type=int, default=16)
-    add_flag(g, "--max-logprobs", "largest logprobs / top_logprobs accepted", type=int, default=20)
-
-
-def _worker_flags(parser: argparse.ArgumentParser) -> None:
-    add_engine_flags(parser.add_argument_group("engine"), "engine")
-    w = parser.add_argument_group("worker")
-    add_flag(w, "--engine-id", "this engine's consumer name (default: hostname-pid)", default="")
-    add_flag(w, "--heartbeat-interval", "seconds between heartbeats", type=float, default=0.5)
-    add_flag(w, "--heartbeat-ttl", "seconds after the last heartbeat when gateways give up on this engine",
-             type=float, default=3.0)
-    add_flag(w, "--reply-ttl", "seconds a finished request's reply stream stays readable", type=int, default=300)
-    add_flag(w, "--max-pull", "most new requests taken per step", type=int, default=8)
-
-
-def _common_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--log-level", "logging level", default="INFO",
-             choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-
-
-_LAYOUTS: dict[str, tuple[str, list[Callable[[argparse.ArgumentParser], None]]]] = {
+_BROKER, _GATEWAY = ("broker", RedisConfig), ("gateway", GatewayConfig)
+_ENGINE, _WORKER = ("engine", EngineConfig), ("worker", WorkerConfig)
+# Each command: its help, the configs whose options it takes, and the options it leaves out.
+_COMMANDS: dict[str, tuple[str, list[Section], set[str]]] = {
     "serve": ("run everything on this machine: a private redis-server, a worker and a gateway",
-              [lambda p: _redis_flags(p, with_url=False), _model_flags, _gateway_flags, _worker_flags,
-               _common_flags]),
-    "gateway": ("run the OpenAI-compatible HTTP gateway against --redis-url",
-                [_redis_flags, _model_flags, _gateway_flags, _common_flags]),
-    "worker": ("run one engine worker against --redis-url",
-               [_redis_flags, _model_flags, _worker_flags, _common_flags]),
+              [_BROKER, _GATEWAY, _ENGINE, _WORKER], {"url"}),  # its own Redis has no URL to give
+    "gateway": ("run the OpenAI-compatible HTTP gateway against --redis-url", [_BROKER, _GATEWAY], set()),
+    "worker": ("run one engine worker against --redis-url", [_BROKER, _ENGINE, _WORKER], set()),
 }
+
+
+def _add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    _, sections, without = _COMMANDS[command]
+    add_config_flags(parser, sections, without)
+    add_flag(parser, "--log-level", "logging level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help, adders) in _LAYOUTS.items():
-        p = sub.add_parser(name, help=help, description=help)
-        for add in adders:
-            add(p)
+    for name, (help, _, _) in _COMMANDS.items():
+        _add_flags(sub.add_parser(name, help=help, description=help), name)
     demo = sub.add_parser("demo-model", help="write the demo checkpoint to PATH", description="write the demo "
                           "checkpoint (random weights, byte-level tokenizer; it generates noise) to PATH")
     demo.add_argument("path", metavar="PATH")
     return parser
 
 
-def redis_config(args: argparse.Namespace) -> RedisConfig:
-    return RedisConfig(url=args.redis_url, prefix=args.redis_prefix, block_ms=args.redis_block_ms)
-
-
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(
-        redis=redis_config(args), host=args.host, port=args.port, model=args.model,
-        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-        api_keys=tuple(args.api_key), cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
-        max_pending_requests=args.max_pending_requests, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
-        max_logprobs=args.max_logprobs)
+    return config_from_args(GatewayConfig, args, redis=config_from_args(RedisConfig, args))
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    engine = EngineConfig(**engine_options(args), show_progress=False)
-    return WorkerConfig(redis=redis_config(args), engine=engine, engine_id=args.engine_id,
-                        served_model_name=args.served_model_name, heartbeat_interval_s=args.heartbeat_interval,
-                        heartbeat_ttl_s=args.heartbeat_ttl, reply_ttl_s=args.reply_ttl, max_pull=args.max_pull)
+    engine = config_from_args(EngineConfig, args, show_progress=False)  # a server shows no progress bar
+    return config_from_args(WorkerConfig, args, redis=config_from_args(RedisConfig, args), engine=engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +139,7 @@ async def _serve_worker(config: WorkerConfig) -> None:
 
 def _serve_all(args: argparse.Namespace) -> int:
     """A private redis-server on a unix socket, then a worker and a gateway process."""
-    stack = LocalStack(env={env_name("--api-key"): ",".join(args.api_key)})
+    stack = LocalStack(env=secret_env(_COMMANDS["serve"][1], args))
     stack.add_worker(_child_argv(args, "worker"))
     stack.add_gateway(_child_argv(args, "gateway"), args.host, args.port)
     try:
@@ -201,15 +150,11 @@ def _serve_all(args: argparse.Namespace) -> int:
         return 1
 
 
-_NOT_FORWARDED = {"redis_url", "api_key"}  # API keys travel in the environment, not on a visible command line
-
-
 def _child_argv(args: argparse.Namespace, command: str) -> list[str]:
-    """The flags given to ``serve`` that ``command`` knows; the child inherits the environment."""
+    """The flags given to ``serve`` that ``command`` knows, but secrets: the child inherits them in its environment."""
     parser = argparse.ArgumentParser(add_help=False)
-    for add in _LAYOUTS[command][1]:
-        add(parser)
-    return changed_flags(parser, {k: v for k, v in vars(args).items() if k not in _NOT_FORWARDED})
+    _add_flags(parser, command)
+    return changed_flags(parser, public_values(_COMMANDS[command][1], args))
 
 
 def _supervise(stack: LocalStack) -> int:

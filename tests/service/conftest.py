@@ -19,7 +19,7 @@ from engine import EngineConfig, LLMEngine
 from engine.demo_model import write_demo_model
 from engine.stats import EngineStats
 from service.config import WorkerConfig
-from service.flags import engine_argv
+from service.flags import config_argv
 from service.local_stack import LocalStack
 from service.memory_broker import MemoryBus, MemoryWorkerBroker
 from service.worker import Worker
@@ -29,7 +29,7 @@ MODEL_NAME = "pagedserve-demo"
 API_KEY = "test-key-123"
 START_TIMEOUT_S = 120
 ENGINE = EngineConfig(num_device_blocks=96, max_num_seqs=8, num_threads=1, attention_backend="torch")
-WORKER_FLAGS = [*engine_argv(ENGINE), "--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
+WORKER_FLAGS = [*config_argv(ENGINE), "--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
 
 
 def get_json(url: str, api_key: str | None = API_KEY) -> tuple[int, dict]:

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from service.cli import build_parser, gateway_config, main, worker_config
-from service.flags import engine_argv
+from service.flags import config_argv
 from service.local_stack import free_port
 from tests.service.conftest import ROOT, get_json
 
@@ -29,11 +29,11 @@ def test_env_twins_and_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gateway_config(args).api_keys == ("k1", "k2", "k3")
 
 
-def test_engine_argv_rebuilds_the_config() -> None:
+def test_config_argv_rebuilds_the_config() -> None:
     config = EngineConfig(model="/m", block_size=32, num_device_blocks=64, kv_cache_memory_fraction=0.25,
                           max_model_len=512, enable_prefix_caching=False, preemption_mode="swap",
                           attention_backend="torch", seed=3, num_threads=2, show_progress=False)
-    argv = engine_argv(config)
+    argv = config_argv(config)
     assert "--no-prefix-caching" in argv and "--no-chunked-prefill" not in argv and "--max-num-seqs" not in argv
     assert worker_config(build_parser().parse_args(["worker", *argv])).engine == config
 
