@@ -81,19 +81,32 @@ class RedisGatewayBroker(ReplyRouter):
         self._client: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
         self._wake_id = b"0-0"
-        self._tasks: list[asyncio.Task] = []
+        self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._closing = False
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
         await self._refresh_engines()
-        self._tasks = [asyncio.create_task(self._read_replies()), asyncio.create_task(self._watch_engines())]
+        self._reader = asyncio.create_task(self._read_replies())
+        self._watcher = asyncio.create_task(self._watch_engines())
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The reader's blocking XREAD is woken, not cancelled: a read cancelled mid-flight
+        # can leave redis-py's connection teardown waiting forever.
+        self._closing = True
+        self._watcher.cancel()
+        await asyncio.gather(self._watcher, return_exceptions=True)
+        wake = self._keys.wake(self.gateway_id)
         try:
-            await self._client.delete(self._keys.wake(self.gateway_id))
+            await self._client.xadd(wake, {"r": ""})
+        except RedisError:
+            pass  # then the read returns within block_ms, or fails
+        _, late = await asyncio.wait([self._reader], timeout=self.config.block_ms / 1000 + _COMMAND_TIMEOUT_S)
+        for task in late:  # Redis hung: give up on the read rather than on shutting down
+            task.cancel()
+        try:
+            await self._client.delete(wake)
         except RedisError:
             pass
         await self._client.aclose()
@@ -119,7 +132,7 @@ class RedisGatewayBroker(ReplyRouter):
     async def _read_replies(self) -> None:
         wake_key = self._keys.wake(self.gateway_id).encode()
         reply_prefix = self._keys.reply("").encode()
-        while True:
+        while not self._closing:
             streams = {wake_key: self._wake_id}
             streams.update({self._keys.reply(rid): s.last_id for rid, s in self._subs.items()})
             try:
