@@ -78,3 +78,20 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """dst[m[i, 1]] = src[m[i, 0]], across devices (device <-> CPU pool)."""
     rows = src[block_mapping[:, 0].to(src.device)]
     dst[block_mapping[:, 1].to(dst.device)] = rows.to(dst.device)
+
+
+def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
+    """[out, in] -> [ceil(out / panel), in, panel]: panel p holds output columns
+    [p * panel, (p + 1) * panel) as a dense [in, panel] run, zero-padded past ``out``.
+    (The compiled op picks its panel width from the SIMD width.)"""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // panel)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * panel - out_features))
+    return padded.view(panels, panel, in_features).transpose(1, 2).contiguous()
+
+
+def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias), weight unpacked from pack_linear_weight's layout."""
+    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+    y = x @ weight.t()
+    return y if bias is None else y + bias
