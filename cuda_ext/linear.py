@@ -26,11 +26,12 @@ class PackedLinear:
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
-    """The packed form of an fp32 CPU linear layer (the compiled ops must be loaded), else None.
+    """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on
+    AVX512-BF16 CPUs), else None. The compiled ops must be loaded.
 
-    The op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
+    The fp32 op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
     decode batches, so it serves prefill too."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu" or not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
         return None
     packed = torch.ops.pagedserve.pack_linear_weight(weight.detach())
     return PackedLinear(packed, None if bias is None else bias.detach(), weight.shape[0])

@@ -14,6 +14,8 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  // No tensor argument to dispatch on: one kernel for every device.
+  m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

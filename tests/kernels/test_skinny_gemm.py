@@ -60,10 +60,26 @@ def test_zero_rows_and_leading_dims(ext_ops):
     assert relative_error(packed(x), torch.nn.functional.linear(x, weight, bias)) <= 1e-5
 
 
-def test_only_fp32_cpu_is_packed(ext_ops):
+@pytest.mark.parametrize("rows", [1, 5, 6, 18, 64, 130])
+@pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17)])
+def test_bf16_matches_fp32_math(ext_ops, rows, in_features, out_features):
+    if not torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16):
+        pytest.skip("this build has no bf16 skinny GEMM (CPU without AVX512-BF16)")
+    x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    assert torch.equal(packed, reference.pack_linear_weight(weight, panel=packed.shape[2] // 2))
+    y = torch.ops.pagedserve.skinny_linear(x, packed, bias, out_features)
+    expected = x.float() @ weight.float().t() + bias.float()  # exact products, fp32 sums, one rounding
+    assert y.dtype == torch.bfloat16 and relative_error(y.float(), expected) <= 2 ** -8
+    assert torch.equal(reference.skinny_linear(x, packed, bias, out_features), expected.bfloat16())
+
+
+def test_packs_supported_dtypes_on_cpu_only(ext_ops):
     weight = torch.randn(8, 8)
-    assert cuda_ext.pack_linear(weight.bfloat16(), None) is None
     assert ext_ops.pack_linear(weight, None) is not None
+    assert cuda_ext.pack_linear(weight.half(), None) is None
+    assert (cuda_ext.pack_linear(weight.bfloat16(), None) is not None) == torch.ops.pagedserve.skinny_linear_supports(
+        torch.bfloat16)
     assert cuda_ext.load_ops("torch").pack_linear(weight, None) is None
 
 
