@@ -39,70 +39,74 @@ constexpr int64_t kPanel = kPanelVecs * kW;  // output columns per packed panel
 constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register tile
 constexpr int64_t kMinWorkPerThread = 1 << 17;  // multiply-adds (~10 us) worth a thread's fork
 
-// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
-template <int64_t R>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, float* out) {
-  Vec acc[R][kPanelVecs];
-#pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec(0.f);
-  for (int64_t k = 0; k < k_len; ++k) {
-    Vec w[kPanelVecs];
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = Vec::loadu(panel + k * kPanel + v * kW);
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < R; ++r) {
-      const Vec a(x[r * ldx + k]);
-#pragma GCC unroll 4
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = at::vec::fmadd(a, w[v], acc[r][v]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v].store(out + r * kPanel + v * kW);
-}
+// One element type's k step of the micro-kernel: the panel's kPanelVecs weight
+// operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
+struct F32Step {
+  using T = float;
+  using Acc = Vec;
+  using Operand = Vec;
+  static constexpr int64_t kDepth = 1;  // k values per step
+  static Acc zero() { return Vec(0.f); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
+  static Operand broadcast(const T* row, int64_t k, int64_t) { return Vec(row[k]); }
+  static Acc madd(Acc acc, Operand a, Operand w) { return at::vec::fmadd(a, w, acc); }
+  static void store(float* out, Acc acc) { acc.store(out); }
+};
 
 #ifdef PAGEDSERVE_SKINNY_BF16
-// x[r, k], x[r, k + 1] as one 32-bit lane; past an odd K the pair ends in zero.
-inline __m512bh x_pair(const BFloat16* row, int64_t k, int64_t k_len) {
-  uint32_t bits = row[k].x;
-  if (k + 1 < k_len) bits |= static_cast<uint32_t>(row[k + 1].x) << 16;
-  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
-}
+struct Bf16Step {
+  using T = BFloat16;
+  using Acc = __m512;
+  using Operand = __m512bh;
+  static constexpr int64_t kDepth = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) {
+    return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
+  }
+  // x[r, k], x[r, k + 1] as one 32-bit lane; past an odd K the pair ends in zero.
+  static Operand broadcast(const T* row, int64_t k, int64_t k_len) {
+    uint32_t bits = row[k].x;
+    if (k + 1 < k_len) bits |= static_cast<uint32_t>(row[k + 1].x) << 16;
+    return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+  }
+  static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbf16_ps(acc, a, w); }
+  static void store(float* out, Acc acc) { _mm512_storeu_ps(out, acc); }
+};
+#endif
 
-template <int64_t R>
-void tile(const BFloat16* x, int64_t ldx, const BFloat16* panel, int64_t k_len, float* out) {
-  __m512 acc[R][kPanelVecs];
+// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
+template <typename S, int64_t R>
+void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out) {
+  typename S::Acc acc[R][kPanelVecs];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; k += 2) {
-    __m512bh w[kPanelVecs];
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::zero();
+  for (int64_t k = 0; k < k_len; k += S::kDepth) {
+    typename S::Operand w[kPanelVecs];
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v)
-      w[v] = (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
+    for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
-      const __m512bh a = x_pair(x + r * ldx, k, k_len);
+      const typename S::Operand a = S::broadcast(x + r * ldx, k, k_len);
 #pragma GCC unroll 4
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
+      for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::madd(acc[r][v], a, w[v]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kPanelVecs; ++v) _mm512_storeu_ps(out + r * kPanel + v * kW, acc[r][v]);
+    for (int64_t v = 0; v < kPanelVecs; ++v) S::store(out + r * kPanel + v * kW, acc[r][v]);
 }
-#endif
 
-template <typename T>
-void tile_rows(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+template <typename S>
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+               float* out) {
   switch (rows) {
-    case 1: return tile<1>(x, ldx, panel, k_len, out);
-    case 2: return tile<2>(x, ldx, panel, k_len, out);
-    case 3: return tile<3>(x, ldx, panel, k_len, out);
-    case 4: return tile<4>(x, ldx, panel, k_len, out);
-    case 5: return tile<5>(x, ldx, panel, k_len, out);
-    default: return tile<kRows>(x, ldx, panel, k_len, out);
+    case 1: return tile<S, 1>(x, ldx, panel, k_len, out);
+    case 2: return tile<S, 2>(x, ldx, panel, k_len, out);
+    case 3: return tile<S, 3>(x, ldx, panel, k_len, out);
+    case 4: return tile<S, 4>(x, ldx, panel, k_len, out);
+    case 5: return tile<S, 5>(x, ldx, panel, k_len, out);
+    default: return tile<S, kRows>(x, ldx, panel, k_len, out);
   }
 }
 
@@ -119,7 +123,7 @@ inline void store_row(const float* src, const BFloat16* bias, int64_t cols, BFlo
 }
 
 // All rows of x against panel p, into y's columns [p * kPanel, +cols).
-template <typename T>
+template <typename S, typename T = typename S::T>
 void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y) {
   const int64_t m = x.size(0), k_len = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
   const T* xp = x.data_ptr<T>();
@@ -127,13 +131,13 @@ void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, in
   float tmp[kRows * kPanel];
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int64_t rows = std::min(kRows, m - r0);
-    tile_rows(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
+    tile_rows<S>(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r)
       store_row(tmp + r * kPanel, bias == nullptr ? nullptr : bias + p * kPanel, cols, yp + (r0 + r) * ldy);
   }
 }
 
-template <typename T>
+template <typename S, typename T = typename S::T>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t out_features = y.size(1), panels = packed.size(0), panel_numel = packed[0].numel();
   const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
@@ -141,7 +145,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      run_panel<T>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y);
+      run_panel<S>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y);
   });
 }
 
@@ -189,11 +193,11 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   if (x.size(0) == 0) return y;
 #ifdef PAGEDSERVE_SKINNY_BF16
   if (dtype == at::kBFloat16) {
-    run<BFloat16>(x, packed, bias, y);
+    run<Bf16Step>(x, packed, bias, y);
     return y;
   }
 #endif
-  run<float>(x, packed, bias, y);
+  run<F32Step>(x, packed, bias, y);
   return y;
 }
 
