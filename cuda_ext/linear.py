@@ -15,7 +15,7 @@ import torch
 class PackedLinear:
     """``y = x @ weight.T + bias`` through ``torch.ops.pagedserve.skinny_linear``."""
 
-    packed: torch.Tensor  # [ceil(out / panel), in, panel] from pack_linear_weight
+    packed: torch.Tensor  # from pack_linear_weight (panel layout: cuda_ext/README.md)
     bias: torch.Tensor | None
     out_features: int
 
