@@ -1,4 +1,4 @@
-"""The four KV-cache ops behind one object, compiled or pure-torch."""
+"""The four KV-cache ops and the linear-layer packer behind one object, compiled or pure-torch."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ from dataclasses import dataclass
 import torch
 
 from cuda_ext import reference
+from cuda_ext.linear import PackedLinear, keep_unpacked, pack_linear
 
 
 @dataclass(slots=True, frozen=True)
 class KernelOps:
-    """reshape_and_cache, paged_attention, copy_blocks, swap_blocks (signatures in cuda_ext.reference)."""
+    """reshape_and_cache, paged_attention, copy_blocks, swap_blocks (signatures in cuda_ext.reference),
+    and pack_linear: (weight, bias) -> the layer on the skinny GEMM op, or None to keep F.linear."""
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., None]
     copy_blocks: Callable[..., None]
     swap_blocks: Callable[..., None]
+    pack_linear: Callable[[torch.Tensor, torch.Tensor | None], PackedLinear | None]
 
 
 def load_ops(backend: str = "ext") -> KernelOps:
@@ -36,6 +39,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         paged_attention=module.paged_attention,
         copy_blocks=module.copy_blocks,
         swap_blocks=module.swap_blocks,
+        pack_linear=pack_linear if backend == "ext" else keep_unpacked,
     )
 
 

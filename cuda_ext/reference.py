@@ -78,3 +78,28 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """dst[m[i, 1]] = src[m[i, 0]], across devices (device <-> CPU pool)."""
     rows = src[block_mapping[:, 0].to(src.device)]
     dst[block_mapping[:, 1].to(dst.device)] = rows.to(dst.device)
+
+
+def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
+    """[out, in] -> panels of ``panel`` output columns, zero-padded past ``out``. fp32:
+    [ceil(out / panel), in, panel], panel p holding columns [p * panel, (p + 1) * panel) as
+    a dense [in, panel] run. bf16: k pairs interleaved, [ceil(out / panel), ceil(in / 2), panel, 2]
+    flattened to [..., 2 * panel]. (The compiled op picks its panel width from the SIMD width.)"""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // panel)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * panel - out_features))
+    if weight.dtype != torch.bfloat16:
+        return padded.view(panels, panel, in_features).transpose(1, 2).contiguous()
+    pairs = -(-in_features // 2)
+    even = torch.nn.functional.pad(padded, (0, 2 * pairs - in_features))
+    return even.view(panels, panel, pairs, 2).permute(0, 2, 1, 3).reshape(panels, pairs, 2 * panel)
+
+
+def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias), weight unpacked from pack_linear_weight's layout; fp32 math."""
+    panels, in_rows, width = packed.shape
+    if packed.dtype == torch.bfloat16:  # [panels, pairs, panel, 2] -> [panels, 2 * pairs, panel]
+        packed = packed.view(panels, in_rows, width // 2, 2).transpose(2, 3).reshape(panels, 2 * in_rows, width // 2)
+    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features, :x.shape[1]]
+    y = x.float() @ weight.float().t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)

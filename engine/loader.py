@@ -29,7 +29,6 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    model.lm_head.finalize()
     return model.eval()
 
 

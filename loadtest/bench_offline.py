@@ -16,6 +16,11 @@ The realised means are printed and stored. Throughput = generated (useful) token
 tokens per CPU-second (process time, all threads) is stored too, as a cross-check that is less
 sensitive to other load on a shared machine. Static batching pads each batch to its longest prompt
 and generates its longest output; only the requested tokens count as useful.
+
+Every peer gets its best configuration: static batching tries ``--batch-sizes``, continuous batching
+``--hf-page-sizes`` (with a KV cache sized to hold every request at once, a warm-up batch before timing and
+no automatic attention switch; see ``hf_continuous_config``); the best is kept and its configuration is
+stored in the result's ``detail``.
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ MODELS = {
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)),
 }
+# transformers continuous batching's per-step token budget: pagedserve's max_num_batched_tokens below
+# (measured: 512 to 8192 change its Alpaca-like throughput by under 5%).
+HF_MAX_BATCH_TOKENS = 2048
 WORKLOADS = {  # (mean, sigma, cap) for input and output lengths
     "alpaca": ((19, 0.6, 256), (58, 0.7, 512)),
     "sharegpt": ((161, 0.7, 768), (338, 0.7, 1280)),
@@ -122,26 +130,38 @@ def run_hf_static(model, requests: list[Request], batch_size: int) -> None:
                        pad_token_id=0)
 
 
-@torch.inference_mode()
-def run_hf_continuous(model, requests: list[Request]) -> None:
-    # Imported here: it costs seconds, and paper_workloads / bench_serving import this module for WORKLOADS.
-    from transformers.generation.continuous_batching.utils import WorkloadHints
+def hf_continuous_config(requests: list[Request], page_size: int, max_batch_tokens: int):
+    """transformers' continuous batching sized for this workload: a KV cache of exactly enough pages for every
+    request's prompt + output at once (its defaults size the cache from GPU memory), all requests in one batch,
+    and the attention implementation kept as loaded (sdpa) rather than switched automatically."""
+    from transformers import ContinuousBatchingConfig
 
+    pages = sum(-(-(len(r.prompt) + r.output_len) // page_size) for r in requests)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=pages + 1, max_batch_tokens=max_batch_tokens,
+                                    max_requests_per_batch=len(requests), auto_switch_to_flash=False)
+
+
+@torch.inference_mode()
+def bench_hf_continuous(model, requests: list[Request], page_size: int, max_batch_tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of the workload, timed after a warm-up batch on the same running manager."""
     longest = max(r.output_len for r in requests)
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=0)
-    # The hints generate_batch itself passes, so the manager sizes its cache and batch for this workload.
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests), max_generated_length=longest,
-                          num_requests=len(requests))
+    cb_config = hf_continuous_config(requests, page_size, max_batch_tokens)
     with model.continuous_batching_context_manager(generation_config=config, block=True, warmup=False,
-                                                   workload_hints=hints) as manager:
-        for i, r in enumerate(requests):
-            manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.output_len)
-        done = 0
-        while done < len(requests):
-            result = manager.get_result(timeout=600)
-            if result is None:
-                raise RuntimeError("transformers continuous batching stopped early")
-            done += result.is_finished()
+                                                   continuous_batching_config=cb_config) as manager:
+        _run_hf_continuous(manager, [Request(r.prompt, 4) for r in requests[:8]], "warmup")
+        return timed(lambda: _run_hf_continuous(manager, requests, "timed"))
+
+
+def _run_hf_continuous(manager, requests: list[Request], tag: str) -> None:
+    for i, r in enumerate(requests):
+        manager.add_request(r.prompt, request_id=f"{tag}{i}", max_new_tokens=r.output_len)
+    done = 0
+    while done < len(requests):
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError("transformers continuous batching stopped early")
+        done += result.is_finished()
 
 
 def run_model(name: str, args, results: list[Result]) -> None:
@@ -175,7 +195,16 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 best = min(runs, key=lambda b: runs[b][0])
                 record("hf-static", runs[best], f"best batch size {best} of {args.batch_sizes}")
             if not args.skip_hf_continuous:
-                record("hf-continuous", timed(lambda: run_hf_continuous(hf_model, requests)))
+                runs = {}
+                for page_size in args.hf_page_sizes:
+                    runs[page_size] = bench_hf_continuous(hf_model, requests, page_size, HF_MAX_BATCH_TOKENS)
+                    print(f"   (hf-continuous page size {page_size}: {tokens / runs[page_size][0]:.1f} tok/s)", flush=True)
+                best = min(runs, key=lambda p: runs[p][0])
+                config = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS)
+                record("hf-continuous", runs[best], f"best page size {best} of {args.hf_page_sizes}; "
+                       f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
+                       f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, "
+                       "sdpa, warmed up")
 
 
 def summarize(results: list[Result]) -> list[dict]:
@@ -201,6 +230,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="alpaca,sharegpt", help="comma list of alpaca, sharegpt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", default="8,16,32", help="static batching sizes to try (best is kept)")
+    parser.add_argument("--hf-page-sizes", default="64,256",
+                        help="transformers continuous batching page sizes to try (best is kept)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
@@ -208,6 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.hf_page_sizes = [int(p) for p in args.hf_page_sizes.split(",")]
     torch.set_num_threads(args.threads)
     results: list[Result] = []
     for name in args.models.split(","):

@@ -11,5 +11,9 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+bool skinny_linear_supports_cpu(at::ScalarType dtype);
+at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t out_features);
 
 }  // namespace pagedserve

@@ -1,5 +1,6 @@
 // Op schemas of the `pagedserve` namespace and their CPU kernels. The CUDA
-// kernels register under the same names in csrc/cuda/*.cu when built.
+// kernels register under the same names in csrc/cuda/*.cu when built (the
+// skinny GEMM ops are CPU-only).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -11,6 +12,10 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  // No tensor argument to dispatch on: one kernel for every device.
+  m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -18,4 +23,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_attention", &pagedserve::paged_attention_cpu);
   m.impl("copy_blocks", &pagedserve::copy_blocks_cpu);
   m.impl("swap_blocks", &pagedserve::swap_blocks_cpu);
+  m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
+  m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
 }

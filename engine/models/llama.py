@@ -6,8 +6,7 @@ from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
-from engine.layers.linear import FusedLinear
-from engine.layers.lm_head import LMHead
+from engine.layers.linear import FusedLinear, Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import ModelConfig
@@ -21,7 +20,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.hf.get("attention_bias", False))
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.hf.get("attention_bias", False))
         eps = cfg.hf["rms_norm_eps"]
         self.q_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
@@ -43,7 +42,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter, bias = cfg.hf["intermediate_size"], cfg.hf.get("mlp_bias", False)
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
         qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
         self.model = LlamaModel(cfg, rotary, qkv_bias, self.qk_norm)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = cfg.hf.get("tie_word_embeddings", False)
 
     def tie_weights(self) -> None:

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, PagedAttention
-from engine.layers.linear import FusedLinear
-from engine.layers.lm_head import LMHead
+from engine.layers.linear import FusedLinear, Linear
 from engine.models.config import ModelConfig
 
 _POSITION_OFFSET = 2  # OPT's learned position table reserves two leading rows
@@ -20,7 +19,7 @@ class OPTAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=bias)
-        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
+        self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
         self.scaling = cfg.head_dim ** -0.5
         # OPT scales q before attention (as HF does), so attention itself uses scale 1.
         self.attn = PagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, 1.0)
@@ -39,8 +38,8 @@ class OPTDecoderLayer(nn.Module):
         self.pre_norm = cfg.hf.get("do_layer_norm_before", True)
         self.self_attn = OPTAttention(cfg, bias)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine, bias=affine)
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.hf["ffn_dim"], bias=bias)
-        self.fc2 = nn.Linear(cfg.hf["ffn_dim"], cfg.hidden_size, bias=bias)
+        self.fc1 = Linear(cfg.hidden_size, cfg.hf["ffn_dim"], bias=bias)
+        self.fc2 = Linear(cfg.hf["ffn_dim"], cfg.hidden_size, bias=bias)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine, bias=affine)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -61,8 +60,8 @@ class OPTDecoder(nn.Module):
         proj_dim = hf.get("word_embed_proj_dim") or hidden
         self.embed_tokens = nn.Embedding(cfg.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + _POSITION_OFFSET, hidden)
-        self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
-        self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        self.project_in = Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
+        self.project_out = Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
         has_final_norm = hf.get("do_layer_norm_before", True) and not hf.get("_remove_final_layer_norm", False)
         affine = hf.get("layer_norm_elementwise_affine", True)
         self.final_layer_norm = (nn.LayerNorm(hidden, elementwise_affine=affine, bias=affine)
@@ -98,7 +97,7 @@ class OPTForCausalLM(nn.Module):
             raise ValueError(f"OPT: unsupported activation_function {cfg.hf['activation_function']!r} (only relu)")
         self.model = OPTModel(cfg)
         proj_dim = cfg.hf.get("word_embed_proj_dim") or cfg.hidden_size
-        self.lm_head = LMHead(proj_dim, cfg.vocab_size)
+        self.lm_head = Linear(proj_dim, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = cfg.hf.get("tie_word_embeddings", True)
 
     def tie_weights(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import Linear
 from .conftest import MAX_NEW_TOKENS, backends, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -34,6 +35,8 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_matches_hf(checkpoint, hf_reference, scenario, backend):
     llm = make_llm(checkpoint.path, backend, **SCENARIOS[scenario])
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.packed is not None) == (backend == "ext") for m in linears)  # skinny GEMM on CPU
     prompts = mixed_prompts()
     assert generate(llm, prompts) == hf_reference
     stats = llm.engine.stats()

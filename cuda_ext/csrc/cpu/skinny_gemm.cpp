@@ -1,0 +1,204 @@
+// CPU "skinny" GEMM for decode-sized batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small.
+//
+// MKL's sgemm is slow at a few rows (it packs x and W on every call). Here W is
+// packed once, at load, into panels of kPanel output columns, each a dense
+// [K, kPanel] run, so a panel streams from memory once and then serves every row
+// block of x from cache. The micro-kernel keeps a [kRows, kPanel] fp32 accumulator
+// tile in registers: per k, kPanel / kW weight vectors times kRows broadcasts of x,
+// one FMA each. Threads split the panels (the output dimension).
+//
+// bf16 (builds for AVX512-BF16 CPUs only): a panel is [ceil(K / 2), kPanel, 2], k
+// pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
+// pair of weights per lane and adds both products to the fp32 accumulator.
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../ops.h"
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define PAGEDSERVE_SKINNY_BF16 1
+#endif
+
+namespace pagedserve {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using c10::BFloat16;
+constexpr int64_t kW = Vec::size();
+// Register budget: AVX-512 has 32 vector registers (6 x 4 accumulators + 4 weights + 1
+// broadcast), AVX2 has 16 (4 x 2 + 2 + 1).
+constexpr int64_t kPanelVecs = kW == 16 ? 4 : 2;
+constexpr int64_t kPanel = kPanelVecs * kW;  // output columns per packed panel
+constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register tile
+constexpr int64_t kMinWorkPerThread = 1 << 17;  // multiply-adds (~10 us) worth a thread's fork
+
+// One element type's k step of the micro-kernel: the panel's kPanelVecs weight
+// operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
+struct F32Step {
+  using T = float;
+  using Acc = Vec;
+  using Operand = Vec;
+  static constexpr int64_t kDepth = 1;  // k values per step
+  static Acc zero() { return Vec(0.f); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
+  static Operand broadcast(const T* row, int64_t k, int64_t) { return Vec(row[k]); }
+  static Acc madd(Acc acc, Operand a, Operand w) { return at::vec::fmadd(a, w, acc); }
+  static void store(float* out, Acc acc) { acc.store(out); }
+};
+
+#ifdef PAGEDSERVE_SKINNY_BF16
+struct Bf16Step {
+  using T = BFloat16;
+  using Acc = __m512;
+  using Operand = __m512bh;
+  static constexpr int64_t kDepth = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) {
+    return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
+  }
+  // x[r, k], x[r, k + 1] as one 32-bit lane; past an odd K the pair ends in zero.
+  static Operand broadcast(const T* row, int64_t k, int64_t k_len) {
+    uint32_t bits = row[k].x;
+    if (k + 1 < k_len) bits |= static_cast<uint32_t>(row[k + 1].x) << 16;
+    return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+  }
+  static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbf16_ps(acc, a, w); }
+  static void store(float* out, Acc acc) { _mm512_storeu_ps(out, acc); }
+};
+#endif
+
+// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
+template <typename S, int64_t R>
+void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out) {
+  typename S::Acc acc[R][kPanelVecs];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::zero();
+  for (int64_t k = 0; k < k_len; k += S::kDepth) {
+    typename S::Operand w[kPanelVecs];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const typename S::Operand a = S::broadcast(x + r * ldx, k, k_len);
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::madd(acc[r][v], a, w[v]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < kPanelVecs; ++v) S::store(out + r * kPanel + v * kW, acc[r][v]);
+}
+
+template <typename S>
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+               float* out) {
+  switch (rows) {
+    case 1: return tile<S, 1>(x, ldx, panel, k_len, out);
+    case 2: return tile<S, 2>(x, ldx, panel, k_len, out);
+    case 3: return tile<S, 3>(x, ldx, panel, k_len, out);
+    case 4: return tile<S, 4>(x, ldx, panel, k_len, out);
+    case 5: return tile<S, 5>(x, ldx, panel, k_len, out);
+    default: return tile<S, kRows>(x, ldx, panel, k_len, out);
+  }
+}
+
+// dst[0:cols] = src (+ bias), rounded to T once.
+inline void store_row(const float* src, const float* bias, int64_t cols, float* dst) {
+  if (bias != nullptr)
+    at::vec::map2([](Vec a, Vec b) { return a + b; }, dst, src, bias, cols);
+  else
+    std::memcpy(dst, src, cols * sizeof(float));
+}
+
+inline void store_row(const float* src, const BFloat16* bias, int64_t cols, BFloat16* dst) {
+  for (int64_t c = 0; c < cols; ++c) dst[c] = BFloat16(src[c] + (bias != nullptr ? float(bias[c]) : 0.f));
+}
+
+// All rows of x against panel p, into y's columns [p * kPanel, +cols).
+template <typename S, typename T = typename S::T>
+void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y) {
+  const int64_t m = x.size(0), k_len = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>() + p * kPanel;
+  float tmp[kRows * kPanel];
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int64_t rows = std::min(kRows, m - r0);
+    tile_rows<S>(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
+    for (int64_t r = 0; r < rows; ++r)
+      store_row(tmp + r * kPanel, bias == nullptr ? nullptr : bias + p * kPanel, cols, yp + (r0 + r) * ldy);
+  }
+}
+
+template <typename S, typename T = typename S::T>
+void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t out_features = y.size(1), panels = packed.size(0), panel_numel = packed[0].numel();
+  const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
+  const T* pk = packed.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      run_panel<S>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y);
+  });
+}
+
+}  // namespace
+
+bool skinny_linear_supports_cpu(at::ScalarType dtype) {
+#ifdef PAGEDSERVE_SKINNY_BF16
+  if (dtype == at::kBFloat16) return true;
+#endif
+  return dtype == at::kFloat;
+}
+
+at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && skinny_linear_supports_cpu(weight.scalar_type()),
+              "pack_linear_weight: weight must be [out_features, in_features] in a dtype this build supports "
+              "(fp32; bf16 on AVX512-BF16 CPUs), got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  // Zero rows pad the last panel, so the kernel never branches on the column count.
+  const at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, panels * kPanel - n}, 0);
+  if (weight.scalar_type() == at::kFloat) return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  // bf16: an even K, then k pairs interleaved: [panels, K / 2, kPanel, 2] stored as [panels, K / 2, 2 * kPanel].
+  const int64_t pairs = (k + 1) / 2;
+  const at::Tensor even = at::constant_pad_nd(padded, {0, 2 * pairs - k}, 0);
+  return even.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).reshape({panels, pairs, 2 * kPanel});
+}
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t out_features) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && skinny_linear_supports_cpu(dtype) && x.stride(1) == 1,
+              "skinny_linear: x must be [rows, in_features] with a dense last dim, in a dtype this build supports "
+              "(fp32; bf16 on AVX512-BF16 CPUs), got ", dtype, " ", x.sizes(), " strides ", x.strides());
+  const int64_t panels = (out_features + kPanel - 1) / kPanel, k = x.size(1);
+  const int64_t k_rows = dtype == at::kFloat ? k : (k + 1) / 2, width = dtype == at::kFloat ? kPanel : 2 * kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == dtype &&
+                  packed.size(0) == panels && packed.size(1) == k_rows && packed.size(2) == width,
+              "skinny_linear: packed weight ", packed.scalar_type(), " ", packed.sizes(), " does not fit x ", dtype,
+              " ", x.sizes(), " and out_features ", out_features, " (expected [", panels, ", ", k_rows, ", ", width,
+              "] from pack_linear_weight)");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                    bias->scalar_type() == dtype,
+                "skinny_linear: bias must be contiguous ", dtype, " [", out_features, "]");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+#ifdef PAGEDSERVE_SKINNY_BF16
+  if (dtype == at::kBFloat16) {
+    run<Bf16Step>(x, packed, bias, y);
+    return y;
+  }
+#endif
+  run<F32Step>(x, packed, bias, y);
+  return y;
+}
+
+}  // namespace pagedserve

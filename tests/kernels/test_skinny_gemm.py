@@ -1,0 +1,93 @@
+"""The skinny GEMM (pack_linear_weight + skinny_linear, CPU) against torch.matmul and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import reference
+
+
+def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((y - expected).abs().max() / expected.abs().max()).item()
+
+
+def random_layer(rows: int, in_features: int, out_features: int, seed: int, bias: bool):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    return x, weight, torch.randn(out_features, generator=gen) if bias else None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 18, 31, 64, 65, 300])
+@pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (688, 256), (1, 17), (129, 1000)])
+def test_matches_matmul(ext_ops, rows, in_features, out_features):
+    x, weight, _ = random_layer(rows, in_features, out_features, rows + out_features, bias=False)
+    y = torch.ops.pagedserve.skinny_linear(x, torch.ops.pagedserve.pack_linear_weight(weight), None, out_features)
+    assert y.shape == (rows, out_features)
+    assert relative_error(y, torch.matmul(x, weight.t())) <= 1e-5
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bias_strided_rows_and_threads(ext_ops, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, weight, bias = random_layer(40, 512, 32000 + 5, 7, bias=True)
+        rows = torch.cat([x, x], dim=1)[:, 512:]  # row stride 1024, dense last dim
+        packed = cuda_ext.pack_linear(weight, bias)
+        assert relative_error(packed(rows), torch.nn.functional.linear(rows, weight, bias)) <= 1e-5
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_packed_layout_matches_reference(ext_ops):
+    _, weight, bias = random_layer(1, 70, 200, 3, bias=True)
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    assert torch.equal(packed, reference.pack_linear_weight(weight, panel=packed.shape[2]))
+    x = torch.randn(9, 70)
+    expected = x @ weight.t() + bias
+    assert relative_error(reference.skinny_linear(x, packed, bias, 200), expected) <= 1e-6
+    assert relative_error(torch.ops.pagedserve.skinny_linear(x, packed, bias, 200), expected) <= 1e-5
+
+
+def test_zero_rows_and_leading_dims(ext_ops):
+    _, weight, bias = random_layer(1, 64, 80, 4, bias=True)
+    packed = cuda_ext.pack_linear(weight, bias)
+    assert packed(torch.empty(0, 64)).shape == (0, 80)
+    x = torch.randn(2, 3, 64)
+    assert relative_error(packed(x), torch.nn.functional.linear(x, weight, bias)) <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 18, 64, 130])
+@pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17)])
+def test_bf16_matches_fp32_math(ext_ops, rows, in_features, out_features):
+    if not torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16):
+        pytest.skip("this build has no bf16 skinny GEMM (CPU without AVX512-BF16)")
+    x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    assert torch.equal(packed, reference.pack_linear_weight(weight, panel=packed.shape[2] // 2))
+    y = torch.ops.pagedserve.skinny_linear(x, packed, bias, out_features)
+    expected = x.float() @ weight.float().t() + bias.float()  # exact products, fp32 sums, one rounding
+    assert y.dtype == torch.bfloat16 and relative_error(y.float(), expected) <= 2 ** -8
+    assert torch.equal(reference.skinny_linear(x, packed, bias, out_features), expected.bfloat16())
+
+
+def test_packs_supported_dtypes_on_cpu_only(ext_ops):
+    weight = torch.randn(8, 8)
+    assert ext_ops.pack_linear(weight, None) is not None
+    assert cuda_ext.pack_linear(weight.half(), None) is None
+    assert (cuda_ext.pack_linear(weight.bfloat16(), None) is not None) == torch.ops.pagedserve.skinny_linear_supports(
+        torch.bfloat16)
+    assert cuda_ext.load_ops("torch").pack_linear(weight, None) is None
+
+
+def test_rejects_mismatched_shapes(ext_ops):
+    packed = torch.ops.pagedserve.pack_linear_weight(torch.randn(100, 64))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.pagedserve.skinny_linear(torch.randn(3, 65), packed, None, 100)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.pagedserve.skinny_linear(torch.randn(3, 64), packed, torch.randn(99), 100)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.pagedserve.skinny_linear(torch.randn(3, 64).double(), packed, None, 100)
