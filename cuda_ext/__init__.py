@@ -7,6 +7,6 @@ KV layout: cuda_ext/README.md.
 """
 
 from cuda_ext import reference
-from cuda_ext.ops import KernelOps, is_built, load_ops
+from cuda_ext.ops import HEAD_SIZES, KernelOps, is_built, load_ops
 
-__all__ = ["KernelOps", "is_built", "load_ops", "reference"]
+__all__ = ["HEAD_SIZES", "KernelOps", "is_built", "load_ops", "reference"]

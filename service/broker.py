@@ -100,9 +100,10 @@ class RedisGatewayBroker(ReplyRouter):
         await self._blocking.aclose()
 
     async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+        payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
         try:
-            await self._client.xadd(self._keys.requests, {"p": encode(msg)})
+            await self._client.xadd(self._keys.requests, {"p": payload})
         except RedisError as exc:
             self.release(msg.request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from service import responses
@@ -22,7 +23,7 @@ from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
 from service.openapi import openapi_document
-from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion
+from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion, parse_json
 from service.tokenization import encode_chat, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,7 @@ class Gateway:
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
             return self._error_response(APIError(exc.status, exc.text or exc.reason, code=code))
         except Exception:
-            log.exception("unhandled error on %s", request.path)
-            return self._error_response(APIError(500, "internal server error"))
+            return self._error_response(internal_error(f"unhandled error on {request.path}"))
 
     def _error_response(self, exc: APIError) -> web.Response:
         self.metrics.errors.labels(str(exc.status)).inc()
@@ -105,7 +105,10 @@ class Gateway:
 
     def _key_ok(self, request: web.Request) -> bool:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        given_bytes = given.strip().encode()
+        try:
+            given_bytes = given.strip().encode()
+        except UnicodeEncodeError:  # undecodable header bytes (surrogates): no key matches them
+            return False
         ok = False
         for key in self.config.api_keys:  # no early exit: time does not depend on which key matched
             ok |= hmac.compare_digest(given_bytes, key.encode())
@@ -149,11 +152,11 @@ class Gateway:
     # ---- generation -------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
-        return await self._generate(request, parse_chat(await _json_body(request), self.config), start)
+        return await self._generate(request, parse_chat(parse_json(await request.read()), self.config), start)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
-        return await self._generate(request, parse_completion(await _json_body(request), self.config), start)
+        return await self._generate(request, parse_completion(parse_json(await request.read()), self.config), start)
 
     async def _generate(self, http: web.Request, req: GenerationRequest, start: float) -> web.StreamResponse:
         if req.model != self.model_name:
@@ -183,9 +186,10 @@ class Gateway:
                 ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt)
             else:
                 ids = req.prompt if isinstance(req.prompt, list) else encode_prompt(self.tokenizer, req.prompt)
-        except ValueError as exc:
+        except (ValueError, TemplateError) as exc:  # no template, or the template refused the messages
             raise APIError(400, str(exc), param="messages" if req.chat else "prompt") from exc
         vocab = len(self.tokenizer)
+        req.params.top_k = min(req.params.top_k, vocab)  # beyond the vocabulary, top-k keeps every token
         for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids)):
             if any(not 0 <= t < vocab for t in values):
                 raise APIError(400, f"{name} holds token ids outside the vocabulary [0, {vocab})", param=name)
@@ -239,8 +243,7 @@ class _Run:
                 continue
             if event.kind is EventKind.ERROR:
                 self.engine_done = True
-                raise APIError(event.status, event.error or "the engine failed this request",
-                               code="engine_error" if event.status >= 500 else None)
+                raise self._engine_error(event)
             self._observe(event)
             updates = self.assembler.apply(event.choices)
             if event.finished:
@@ -251,6 +254,13 @@ class _Run:
                 self.engine_done = True
             yield updates
         self._record_finish()
+
+    def _engine_error(self, event: ReplyEvent) -> APIError:
+        if event.status == 500:  # a fault of the engine: its text stays in the logs
+            return internal_error(f"engine {event.engine_id} failed {self.request_id}: {event.error}",
+                                  self.request_id, code="engine_error", with_traceback=False)
+        return APIError(event.status, event.error or "the engine failed this request",
+                        code="engine_error" if event.status >= 500 else None)
 
     async def _next_event(self) -> ReplyEvent:
         while True:
@@ -323,6 +333,8 @@ class _Run:
             await sse.send(exc.body())
         except (ClientGone, ConnectionResetError):
             return sse.response
+        except Exception:  # the 200 is out: the error can only be the stream's last event
+            await sse.send(internal_error(f"stream of {self.request_id} failed", self.request_id).body())
         await sse.done()
         return sse.response
 
@@ -366,9 +378,11 @@ class _SSEWriter:
         await self.response.write(frame.encode("utf-8"))
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # aiohttp raises 413 past client_max_size
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+def internal_error(what: str, request_id: str | None = None, code: str = "internal_error",
+                   with_traceback: bool = True) -> APIError:
+    """A 500: logged with ``what`` (and the traceback being handled), while the client sees only an
+    id to quote, never the exception's text."""
+    request_id = request_id or f"err-{uuid.uuid4().hex}"
+    log.error("%s (request id %s)", what, request_id, exc_info=with_traceback)
+    return APIError(500, f"internal server error (request id {request_id})", code=code,
+                    headers={"X-Request-Id": request_id})

@@ -66,8 +66,9 @@ class MemoryGatewayBroker(ReplyRouter):
         self.bus.gateways.pop(self.gateway_id, None)
 
     async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+        payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
-        self.bus.enqueue(encode(msg))
+        self.bus.enqueue(payload)
         return queue
 
     async def abort(self, request_id: str) -> None:

@@ -6,23 +6,25 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from engine.field_specs import value_type
+from engine.field_specs import value_bounds, value_type
 from engine.sampling_params import SamplingParams
+
+from service.protocol import MAX_CACHE_SALT_CHARS
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 
 
 def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
-    """A SamplingParams field's schema: its type, bounds and default."""
+    """A SamplingParams field's schema: its type, bounds (of each item, for a list) and default."""
     kind = value_type(SamplingParams, f.name)
-    schema: dict[str, Any] = {"type": "array", "items": {"type": "integer"}} if kind is list \
-        else {"type": _JSON_TYPES[kind]}
-    if (bounds := f.metadata.get("bounds")) is not None:
+    value: dict[str, Any] = {"type": "integer" if kind is list else _JSON_TYPES[kind]}
+    if (bounds := value_bounds(SamplingParams, f.name)) is not None:
         if bounds.low is not None:
-            schema["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.low
+            value["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.low
         if bounds.high is not None:
-            schema["maximum"] = bounds.high
+            value["maximum"] = bounds.high
+    schema = {"type": "array", "items": value, "maxItems": f.metadata["max_items"]} if kind is list else value
     if with_default and f.default not in (None, MISSING):
         schema["default"] = f.default
     return schema
@@ -35,7 +37,7 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "include_stop_str_in_output": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
-    "user": {"type": "string"}, "cache_salt": {"type": "string"},
+    "user": {"type": "string"}, "cache_salt": {"type": "string", "maxLength": MAX_CACHE_SALT_CHARS},
 }
 _CHAT = {**_SAMPLING, "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"]}},
          "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},

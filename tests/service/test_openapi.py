@@ -15,21 +15,26 @@ def completion_properties() -> dict:
     return post["requestBody"]["content"]["application/json"]["schema"]["properties"]
 
 
+def params(name: str, value: float) -> SamplingParams:
+    # min_tokens may not exceed max_tokens: leave max_tokens open so min_tokens' own bounds are what is tested
+    return SamplingParams(**{name: value}, **({"max_tokens": None} if name == "min_tokens" else {}))
+
+
 @pytest.mark.parametrize("name", BOUNDED)
 def test_schema_bounds_are_enforced(name: str) -> None:
     schema = completion_properties()[name]
     step = 1 if schema["type"] == "integer" else 0.5
     if "minimum" in schema:
-        SamplingParams(**{name: schema["minimum"]})
+        params(name, schema["minimum"])
         with pytest.raises(ValueError, match=name):
-            SamplingParams(**{name: schema["minimum"] - step})
+            params(name, schema["minimum"] - step)
     if "exclusiveMinimum" in schema:
         with pytest.raises(ValueError, match=name):
-            SamplingParams(**{name: schema["exclusiveMinimum"]})
+            params(name, schema["exclusiveMinimum"])
     if "maximum" in schema:
-        SamplingParams(**{name: schema["maximum"]})
+        params(name, schema["maximum"])
         with pytest.raises(ValueError, match=name):
-            SamplingParams(**{name: schema["maximum"] + step})
+            params(name, schema["maximum"] + step)
     assert {"minimum", "exclusiveMinimum"} & set(schema)
 
 
