@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.field_specs import spec
 
 DEMO_MODEL_NAME = "pagedserve-demo"
 
@@ -42,6 +43,9 @@ class GatewayConfig:
     max_logprobs: int = 20
     engine_poll_s: float = 0.5  # how often heartbeats are read
     retry_after_s: int = 1
+    prefix_cache_secret: str | None = spec(
+        None, help="secret keying each API key's prefix-cache salt (default: random per gateway process; give every "
+                   "gateway replica the same one so a key's requests share cached prefixes across replicas)")
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_pending_requests", "max_n", "max_stop_string_len"):

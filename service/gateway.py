@@ -4,9 +4,11 @@ The broker is given (Redis in deployments, ``service.memory_broker`` in unit tes
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
 _PUBLIC_PATHS = {"/health", "/ready"}
+_API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
 
 
 class ClientGone(Exception):
@@ -48,6 +51,7 @@ class Gateway:
         self.gateway_id = broker.gateway_id
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
+        self._salt_secret = (config.prefix_cache_secret or secrets.token_hex(32)).encode()
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
 
     def app(self) -> web.Application:
@@ -98,21 +102,30 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.api_keys and request.path not in _PUBLIC_PATHS and not self._key_ok(request):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        if self.config.api_keys and request.path not in _PUBLIC_PATHS:
+            request[_API_KEY] = self._matching_key(request)
+            if request[_API_KEY] is None:
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
         return await handler(request)
 
-    def _key_ok(self, request: web.Request) -> bool:
+    def _matching_key(self, request: web.Request) -> str | None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         try:
             given_bytes = given.strip().encode()
         except UnicodeEncodeError:  # undecodable header bytes (surrogates): no key matches them
-            return False
-        ok = False
+            return None
+        match = None
         for key in self.config.api_keys:  # no early exit: time does not depend on which key matched
-            ok |= hmac.compare_digest(given_bytes, key.encode())
-        return ok and scheme.lower() == "bearer"
+            if hmac.compare_digest(given_bytes, key.encode()):
+                match = key
+        return match if scheme.lower() == "bearer" else None
+
+    def _cache_salt(self, http: web.Request, request_salt: str | None) -> str:
+        """The tenant's salt, HMAC(server secret, API key), then the request's own: two keys never share
+        (nor, through ``cached_tokens``, reveal) prefix-cache blocks; one key shares across its requests."""
+        tenant = hmac.new(self._salt_secret, http.get(_API_KEY, "").encode(), hashlib.sha256).hexdigest()
+        return tenant + (request_salt or "")  # fixed-length tenant part: the two cannot run into each other
 
     # ---- simple routes ----------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -167,7 +180,7 @@ class Gateway:
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, time.time(),
-                         req.cache_salt)
+                         self._cache_salt(http, req.cache_salt))
         try:
             queue = await self.broker.submit(msg)
         except BrokerUnavailable as exc:
