@@ -146,7 +146,7 @@ class Gateway:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, _: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.model_name))
+        return web.json_response(openapi_document(self.model_name, self.config))
 
     def _live_engines(self) -> dict[str, Any]:
         return {i: b for i, b in self.broker.engines.items() if b.model == self.model_name}
@@ -180,7 +180,7 @@ class Gateway:
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, time.time(),
-                         self._cache_salt(http, req.cache_salt))
+                         self.model_name, self._cache_salt(http, req.cache_salt))
         try:
             queue = await self.broker.submit(msg)
         except BrokerUnavailable as exc:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                 503: "service_unavailable_error"}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 # SamplingParams fields read by hand below (caps, aliases, chat's boolean logprobs); a body sets every
 # other one under its own name, with its type and default.
@@ -192,8 +192,8 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
 
 def _parse_message(i: int, message: Any) -> dict[str, str]:
     param = f"messages[{i}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in _ROLES:
-        raise APIError(400, f"{param} must be an object with a role in {sorted(_ROLES)}", param=param)
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
+        raise APIError(400, f"{param} must be an object with a role in {sorted(ROLES)}", param=param)
     content = message.get("content")
     if content is None and message["role"] == "assistant":
         content = ""

@@ -163,5 +163,5 @@ async def test_error_after_the_stream_started_ends_it(served, monkeypatch) -> No
 async def test_an_unencodable_message_leaves_nothing_pending() -> None:
     broker = MemoryGatewayBroker(MemoryBus(), poll_s=0.05)
     with pytest.raises(OverflowError):
-        await broker.submit(RequestMsg("r1", [1], {"top_k": 2**70}, "g", 0.0))
+        await broker.submit(RequestMsg("r1", [1], {"top_k": 2**70}, "g", 0.0, "m"))
     assert broker.num_pending == 0
