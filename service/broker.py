@@ -149,8 +149,8 @@ class RedisGatewayBroker(ReplyRouter):
 
     async def _refresh_engines(self) -> None:
         try:
-            if not self.reachable:  # (re)connected: a restarted Redis has lost the group
-                await ensure_group(self._client, self._keys)
+            # No consumer group here: workers create their model's group from "0" (also after a Redis
+            # restart, on NOGROUP), so requests added before it exists are read too.
             ids = sorted(i.decode() for i in await self._client.smembers(self._keys.engines))
             beats = await self._client.mget([self._keys.engine(i) for i in ids]) if ids else []
             dead = [i for i, b in zip(ids, beats) if b is None]

@@ -1,11 +1,10 @@
 """Schemathesis drives the gateway from its own /openapi.json, with valid and invalid
 bodies: no 5xx ever, and every 4xx in OpenAI's error shape. A real HTTP gateway on the
-in-memory broker with a fake engine behind it, no Redis. PAGEDSERVE_FUZZ_EXAMPLES sets the
-cases per operation (default 120: 240 over the two generation routes; a slow run uses 1000+)."""
+in-memory broker with a fake engine behind it, no Redis. The default run draws 120 cases per
+generation route (plus schemathesis' coverage cases), the slow run (-m slow) 1,000 per route."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Iterator
 
@@ -25,7 +24,7 @@ from tests.service.fake_engine import FakeEngine
 schemathesis = pytest.importorskip("schemathesis")
 
 API_KEY = "sk-fuzz"
-EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "120"))
+FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck))
 SCHEMA = schemathesis.openapi.from_dict(openapi_document(MODEL_NAME, GatewayConfig()))
 CONTEXT = 64  # a short context keeps the fake engine's longest answer short
 
@@ -58,11 +57,22 @@ def base_url(demo_model: str) -> Iterator[str]:
     thread.join(10)
 
 
-@SCHEMA.include(method="POST").parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-def test_generation_routes_never_5xx(case, base_url: str) -> None:
+def check_call(case, base_url: str) -> None:
     response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert response.status_code < 500, (case.body, response.text[:500])
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
+
+
+@SCHEMA.include(method="POST").parametrize()
+@settings(FUZZ, max_examples=120)
+def test_generation_routes_never_5xx(case, base_url: str) -> None:
+    check_call(case, base_url)
+
+
+@pytest.mark.slow
+@SCHEMA.include(method="POST").parametrize()
+@settings(FUZZ, max_examples=1000)
+def test_generation_routes_never_5xx_long_run(case, base_url: str) -> None:
+    check_call(case, base_url)

@@ -68,6 +68,7 @@ async def test_each_model_has_its_own_redis_request_stream(redis_url: str) -> No
     for broker in (gateway, own, other):
         await broker.start()
     try:
+        assert gateway.reachable
         msg = request(MODEL_NAME, gateway.gateway_id)
         await gateway.submit(msg)
         assert (await other.poll(8, block=False))[0] == []
