@@ -43,6 +43,8 @@ class GatewayConfig:
     max_logprobs: int = 20
     engine_poll_s: float = 0.5  # how often heartbeats are read
     retry_after_s: int = 1
+    tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates and tokenize prompts, off the "
+                                                 "event loop (more than one needs a tokenizer safe to share)")
     prefix_cache_secret: str | None = spec(
         None, help="secret keying each API key's prefix-cache salt (default: random per gateway process; give every "
                    "gateway replica the same one so a key's requests share cached prefixes across replicas)")

@@ -12,6 +12,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -52,6 +53,8 @@ class Gateway:
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
         self._salt_secret = (config.prefix_cache_secret or secrets.token_hex(32)).encode()
+        # Tokenizing a long prompt takes milliseconds: never on the event loop, which must keep answering.
+        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
 
     def app(self) -> web.Application:
@@ -65,8 +68,12 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/openapi.json", self.openapi)
         app.on_startup.append(lambda _: self.broker.start())
-        app.on_cleanup.append(lambda _: self.broker.close())
+        app.on_cleanup.append(self._cleanup)
         return app
+
+    async def _cleanup(self, _: web.Application) -> None:
+        await self.broker.close()
+        self._tokenizer_pool.shutdown(wait=False)
 
     # ---- middlewares ------------------------------------------------------
     @web.middleware
@@ -175,7 +182,7 @@ class Gateway:
         if req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
-        prompt_ids = self._tokenize(req)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._tokenize, req)
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"

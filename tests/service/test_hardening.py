@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,6 +159,23 @@ async def test_error_after_the_stream_started_ends_it(served, monkeypatch) -> No
     events = [block.split("\n")[1][len("data: "):] for block in raw.strip().split("\n\n")]
     assert response.status == 200 and events[-1] == "[DONE]"
     assert '"error"' in events[-2] and "request id" in events[-2] and "secret" not in raw
+
+
+async def test_tokenizing_never_blocks_the_event_loop(served, monkeypatch) -> None:
+    client, gateway = served
+    tokenize = gateway._tokenize
+
+    def slow(req):
+        time.sleep(0.6)  # a 1 MB prompt's worth of tokenizing
+        return tokenize(req)
+
+    monkeypatch.setattr(gateway, "_tokenize", slow)
+    start = time.perf_counter()
+    generation = asyncio.ensure_future(post(client, "/v1/completions", COMPLETION))
+    await asyncio.sleep(0.1)  # the request is being tokenized now
+    assert (await client.get("/health")).status == 200
+    assert time.perf_counter() - start < 0.4 and not generation.done()  # /health did not wait 0.6 s
+    assert (await generation)[0] == 200
 
 
 async def test_an_unencodable_message_leaves_nothing_pending() -> None:
