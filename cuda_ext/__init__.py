@@ -8,6 +8,6 @@ KV layout: cuda_ext/README.md.
 
 from cuda_ext import reference
 from cuda_ext.linear import PackedLinear, pack_linear
-from cuda_ext.ops import KernelOps, is_built, load_ops
+from cuda_ext.ops import HEAD_SIZES, KernelOps, is_built, load_ops
 
-__all__ = ["KernelOps", "PackedLinear", "is_built", "load_ops", "pack_linear", "reference"]
+__all__ = ["HEAD_SIZES", "KernelOps", "PackedLinear", "is_built", "load_ops", "pack_linear", "reference"]

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from cuda_ext import reference
 from cuda_ext.linear import PackedLinear, keep_unpacked, pack_linear
+
+# The head sizes the compiled paged attention supports, read from the one list the kernels expand.
+HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
+    line for line in (Path(__file__).parent / "csrc" / "head_sizes.h").read_text().splitlines()
+    if line.startswith("#define PAGEDSERVE_HEAD_SIZES(X)")).partition(")")[2]))
 
 
 @dataclass(slots=True, frozen=True)

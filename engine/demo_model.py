@@ -86,13 +86,8 @@ def _write_tokenizer(folder: str) -> None:
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level BPE convention: printable bytes map to themselves, the rest to code points from 256 up."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 def _random_weights() -> dict[str, torch.Tensor]:

@@ -67,6 +67,9 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
                 for out in self.engine.step():
+                    if out.error:  # as vLLM does: an offline batch raises rather than hand back a failure
+                        self.engine.abort_request(pending)
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     _merge(merged, out)
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
@@ -82,7 +85,7 @@ class LLM:
 
 def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
     whole = merged.setdefault(out.request_id, RequestOutput(out.request_id, out.prompt_token_ids, []))
-    whole.finished, whole.error, whole.metrics = out.finished, out.error, out.metrics
+    whole.finished, whole.metrics = out.finished, out.metrics
     whole.num_cached_tokens = out.num_cached_tokens
     by_index = {c.index: c for c in whole.outputs}
     for delta in out.outputs:
@@ -97,10 +100,8 @@ def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
 
 
 def _broadcast(params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling_params for {count} prompts")

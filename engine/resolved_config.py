@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+import cuda_ext
 from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
@@ -43,6 +44,9 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                          f"({model_config.max_position_embeddings})")
+    if config.attention_backend == "ext" and model_config.head_dim not in cuda_ext.HEAD_SIZES:
+        raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
+                         f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
     model = load(model_config, device, dtype)
     num_device_blocks, num_cpu_blocks = _kv_blocks(config, model_config.kv_elements_per_token * dtype.itemsize,
                                                    max_model_len, device)
@@ -54,9 +58,8 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
 
 
 def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device) -> tuple[int, int]:
-    """Device and CPU block counts; those not given come from the byte budgets. The device pool
-    is capped at what ``max_num_seqs`` full-length sequences could ever use: more blocks would
-    only idle (and on CPU, be zeroed for nothing)."""
+    """Device and CPU block counts; those not given come from the byte budgets. The device pool is capped at
+    what ``max_num_seqs`` full-length sequences could ever use: more blocks would only idle."""
     block_bytes = token_bytes * config.block_size
     num_device_blocks = config.num_device_blocks
     if num_device_blocks is None:

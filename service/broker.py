@@ -2,8 +2,9 @@
 both brokers keep are in ``service.broker_api``; docs/architecture.md has the picture).
 
 Keys under one prefix:
-  {p}:requests        stream of RequestMsg, consumer group "engines"; an entry is
-                      acked (and deleted) only when its request has finished
+  {p}:requests:{model}  stream of RequestMsg for one served model, consumer group
+                      "engines"; an entry is acked (and deleted) only when its
+                      request has finished
   {p}:reply:{id}      one stream of ReplyEvents per request, replayable; expires
                       ``reply_ttl_s`` after the request finishes
   {p}:aborts          stream of aborted request ids, read by every worker each step
@@ -36,13 +37,16 @@ _COMMAND_TIMEOUT_S = 5.0
 
 
 class Keys:
-    __slots__ = ("prefix", "requests", "aborts", "engines")
+    __slots__ = ("prefix", "aborts", "engines")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.requests = f"{prefix}:requests"
         self.aborts = f"{prefix}:aborts"
         self.engines = f"{prefix}:engines"
+
+    def requests(self, model: str) -> str:
+        """One request stream per served model, so an engine never takes another model's requests."""
+        return f"{self.prefix}:requests:{model}"
 
     def reply(self, request_id: str) -> str:
         return f"{self.prefix}:reply:{request_id}"
@@ -61,10 +65,10 @@ def connect(config: RedisConfig, blocking: bool = False) -> aioredis.Redis:
                                    protocol=2, decode_responses=False)
 
 
-async def ensure_group(client: aioredis.Redis, keys: Keys) -> None:
+async def ensure_group(client: aioredis.Redis, requests: str) -> None:
     try:
         # From "0": requests queued before the first engine started are served too.
-        await client.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        await client.xgroup_create(requests, GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
@@ -113,9 +117,10 @@ class RedisGatewayBroker(ReplyRouter):
         await self._blocking.aclose()
 
     async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+        payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
         try:
-            await self._client.xadd(self._keys.requests, {"p": encode(msg)})
+            await self._client.xadd(self._keys.requests(msg.model), {"p": payload})
         except RedisError as exc:
             self.release(msg.request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
@@ -157,8 +162,8 @@ class RedisGatewayBroker(ReplyRouter):
 
     async def _refresh_engines(self) -> None:
         try:
-            if not self.reachable:  # (re)connected: a restarted Redis has lost the group
-                await ensure_group(self._client, self._keys)
+            # No consumer group here: workers create their model's group from "0" (also after a Redis
+            # restart, on NOGROUP), so requests added before it exists are read too.
             ids = sorted(i.decode() for i in await self._client.smembers(self._keys.engines))
             beats = await self._client.mget([self._keys.engine(i) for i in ids]) if ids else []
             dead = [i for i, b in zip(ids, beats) if b is None]
@@ -188,10 +193,12 @@ def _unavailable_on_error(method):
 class RedisWorkerBroker:
     """An engine worker's side: pull requests, read aborts, publish outputs, beat."""
 
-    def __init__(self, config: RedisConfig, engine_id: str, reply_ttl_s: int, heartbeat_ttl_s: float) -> None:
+    def __init__(self, config: RedisConfig, engine_id: str, model: str, reply_ttl_s: int,
+                 heartbeat_ttl_s: float) -> None:
         self.config = config
         self.engine_id = engine_id
         self._keys = Keys(config.prefix)
+        self._requests = self._keys.requests(model)
         self._reply_ttl_s = reply_ttl_s
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._client: aioredis.Redis | None = None
@@ -200,7 +207,7 @@ class RedisWorkerBroker:
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
-        await ensure_group(self._client, self._keys)
+        await ensure_group(self._client, self._requests)
         # Aborts from the last minute still matter: their requests may be queued.
         self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
 
@@ -221,18 +228,18 @@ class RedisWorkerBroker:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            await ensure_group(self._client, self._keys)  # Redis restarted empty
+            await ensure_group(self._client, self._requests)  # Redis restarted empty
             return [], []
 
     async def _poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
         if block and count:
-            entries = await self._blocking.xreadgroup(GROUP, self.engine_id, {self._keys.requests: ">"},
+            entries = await self._blocking.xreadgroup(GROUP, self.engine_id, {self._requests: ">"},
                                                       count=count, block=self.config.block_ms)
             aborts = await self._client.xread({self._keys.aborts: self._abort_cursor})
         else:
             pipe = self._client.pipeline(transaction=False)
             if count:
-                pipe.xreadgroup(GROUP, self.engine_id, {self._keys.requests: ">"}, count=count)
+                pipe.xreadgroup(GROUP, self.engine_id, {self._requests: ">"}, count=count)
             pipe.xread({self._keys.aborts: self._abort_cursor})
             results = await pipe.execute()
             entries, aborts = (results if count else ([], results[0]))
@@ -264,15 +271,15 @@ class RedisWorkerBroker:
             if event.finished:
                 pipe.expire(reply, self._reply_ttl_s)
                 if handle.entry_id:
-                    pipe.xack(self._keys.requests, GROUP, handle.entry_id)
-                    pipe.xdel(self._keys.requests, handle.entry_id)
+                    pipe.xack(self._requests, GROUP, handle.entry_id)
+                    pipe.xdel(self._requests, handle.entry_id)
         await pipe.execute()
 
     @_unavailable_on_error
     async def ack(self, entry_id: bytes) -> None:
         """Drops an entry that cannot be answered (unreadable payload)."""
-        await self._client.xack(self._keys.requests, GROUP, entry_id)
-        await self._client.xdel(self._keys.requests, entry_id)
+        await self._client.xack(self._requests, GROUP, entry_id)
+        await self._client.xdel(self._requests, entry_id)
 
     @_unavailable_on_error
     async def heartbeat(self, beat: Heartbeat) -> None:

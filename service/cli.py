@@ -129,8 +129,9 @@ async def _serve_worker(config: WorkerConfig) -> None:
     from service.worker import Worker
 
     engine = LLMEngine(config.engine)
-    broker = RedisWorkerBroker(config.redis, config.engine_id, config.reply_ttl_s, config.heartbeat_ttl_s)
-    worker = Worker(config, engine, served_name(config.engine.model, config.served_model_name), broker)
+    name = served_name(config.engine.model, config.served_model_name)
+    broker = RedisWorkerBroker(config.redis, config.engine_id, name, config.reply_ttl_s, config.heartbeat_ttl_s)
+    worker = Worker(config, engine, name, broker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)

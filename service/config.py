@@ -58,6 +58,12 @@ class GatewayConfig:
     max_logprobs: int = spec(20, help="largest logprobs / top_logprobs accepted")
     engine_poll_s: float = spec(0.5, flag="--engine-poll", help="seconds between reads of the engines' heartbeats")
     retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429")
+    tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates and tokenize prompts, off the "
+                                                 "event loop (more than one needs a tokenizer safe to share)")
+    prefix_cache_secret: str | None = spec(
+        None, secret=True, help="secret keying each API key's prefix-cache salt (default: random per gateway "
+                                "process; give every gateway replica the same one so a key's requests share "
+                                "cached prefixes across replicas)")
 
     def __post_init__(self) -> None:
         check_fields(self)

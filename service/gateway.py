@@ -4,15 +4,19 @@ The broker is given (Redis in deployments, ``service.memory_broker`` in unit tes
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from service import responses
@@ -22,7 +26,7 @@ from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
 from service.openapi import openapi_document
-from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion
+from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion, parse_json
 from service.tokenization import encode_chat, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
 _PUBLIC_PATHS = {"/health", "/ready"}
+_API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
 
 
 class ClientGone(Exception):
@@ -47,6 +52,9 @@ class Gateway:
         self.gateway_id = broker.gateway_id
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
+        self._salt_secret = (config.prefix_cache_secret or secrets.token_hex(32)).encode()
+        # Tokenizing a long prompt takes milliseconds: never on the event loop, which must keep answering.
+        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
 
     def app(self) -> web.Application:
@@ -60,8 +68,12 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/openapi.json", self.openapi)
         app.on_startup.append(lambda _: self.broker.start())
-        app.on_cleanup.append(lambda _: self.broker.close())
+        app.on_cleanup.append(self._cleanup)
         return app
+
+    async def _cleanup(self, _: web.Application) -> None:
+        await self.broker.close()
+        self._tokenizer_pool.shutdown(wait=False)
 
     # ---- middlewares ------------------------------------------------------
     @web.middleware
@@ -74,8 +86,7 @@ class Gateway:
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
             return self._error_response(APIError(exc.status, exc.text or exc.reason, code=code))
         except Exception:
-            log.exception("unhandled error on %s", request.path)
-            return self._error_response(APIError(500, "internal server error"))
+            return self._error_response(internal_error(f"unhandled error on {request.path}"))
 
     def _error_response(self, exc: APIError) -> web.Response:
         self.metrics.errors.labels(str(exc.status)).inc()
@@ -98,18 +109,30 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.api_keys and request.path not in _PUBLIC_PATHS and not self._key_ok(request):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        if self.config.api_keys and request.path not in _PUBLIC_PATHS:
+            request[_API_KEY] = self._matching_key(request)
+            if request[_API_KEY] is None:
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
         return await handler(request)
 
-    def _key_ok(self, request: web.Request) -> bool:
+    def _matching_key(self, request: web.Request) -> str | None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        given_bytes = given.strip().encode()
-        ok = False
+        try:
+            given_bytes = given.strip().encode()
+        except UnicodeEncodeError:  # undecodable header bytes (surrogates): no key matches them
+            return None
+        match = None
         for key in self.config.api_keys:  # no early exit: time does not depend on which key matched
-            ok |= hmac.compare_digest(given_bytes, key.encode())
-        return ok and scheme.lower() == "bearer"
+            if hmac.compare_digest(given_bytes, key.encode()):
+                match = key
+        return match if scheme.lower() == "bearer" else None
+
+    def _cache_salt(self, http: web.Request, request_salt: str | None) -> str:
+        """The tenant's salt, HMAC(server secret, API key), then the request's own: two keys never share
+        (nor, through ``cached_tokens``, reveal) prefix-cache blocks; one key shares across its requests."""
+        tenant = hmac.new(self._salt_secret, http.get(_API_KEY, "").encode(), hashlib.sha256).hexdigest()
+        return tenant + (request_salt or "")  # fixed-length tenant part: the two cannot run into each other
 
     # ---- simple routes ----------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -130,7 +153,7 @@ class Gateway:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, _: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.model_name))
+        return web.json_response(openapi_document(self.model_name, self.config))
 
     def _live_engines(self) -> dict[str, Any]:
         return {i: b for i, b in self.broker.engines.items() if b.model == self.model_name}
@@ -149,22 +172,22 @@ class Gateway:
     # ---- generation -------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
-        return await self._generate(request, parse_chat(await _json_body(request), self.config), start)
+        return await self._generate(request, parse_chat(parse_json(await request.read()), self.config), start)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
-        return await self._generate(request, parse_completion(await _json_body(request), self.config), start)
+        return await self._generate(request, parse_completion(parse_json(await request.read()), self.config), start)
 
     async def _generate(self, http: web.Request, req: GenerationRequest, start: float) -> web.StreamResponse:
         if req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
-        prompt_ids = self._tokenize(req)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._tokenize, req)
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, time.time(),
-                         req.cache_salt)
+                         self.model_name, self._cache_salt(http, req.cache_salt))
         try:
             queue = await self.broker.submit(msg)
         except BrokerUnavailable as exc:
@@ -183,9 +206,10 @@ class Gateway:
                 ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt)
             else:
                 ids = req.prompt if isinstance(req.prompt, list) else encode_prompt(self.tokenizer, req.prompt)
-        except ValueError as exc:
+        except (ValueError, TemplateError) as exc:  # no template, or the template refused the messages
             raise APIError(400, str(exc), param="messages" if req.chat else "prompt") from exc
         vocab = len(self.tokenizer)
+        req.params.top_k = min(req.params.top_k, vocab)  # beyond the vocabulary, top-k keeps every token
         for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids)):
             if any(not 0 <= t < vocab for t in values):
                 raise APIError(400, f"{name} holds token ids outside the vocabulary [0, {vocab})", param=name)
@@ -239,8 +263,7 @@ class _Run:
                 continue
             if event.kind is EventKind.ERROR:
                 self.engine_done = True
-                raise APIError(event.status, event.error or "the engine failed this request",
-                               code="engine_error" if event.status >= 500 else None)
+                raise self._engine_error(event)
             self._observe(event)
             updates = self.assembler.apply(event.choices)
             if event.finished:
@@ -251,6 +274,13 @@ class _Run:
                 self.engine_done = True
             yield updates
         self._record_finish()
+
+    def _engine_error(self, event: ReplyEvent) -> APIError:
+        if event.status == 500:  # a fault of the engine: its text stays in the logs
+            return internal_error(f"engine {event.engine_id} failed {self.request_id}: {event.error}",
+                                  self.request_id, code="engine_error", with_traceback=False)
+        return APIError(event.status, event.error or "the engine failed this request",
+                        code="engine_error" if event.status >= 500 else None)
 
     async def _next_event(self) -> ReplyEvent:
         while True:
@@ -323,6 +353,8 @@ class _Run:
             await sse.send(exc.body())
         except (ClientGone, ConnectionResetError):
             return sse.response
+        except Exception:  # the 200 is out: the error can only be the stream's last event
+            await sse.send(internal_error(f"stream of {self.request_id} failed", self.request_id).body())
         await sse.done()
         return sse.response
 
@@ -366,9 +398,11 @@ class _SSEWriter:
         await self.response.write(frame.encode("utf-8"))
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # aiohttp raises 413 past client_max_size
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+def internal_error(what: str, request_id: str | None = None, code: str = "internal_error",
+                   with_traceback: bool = True) -> APIError:
+    """A 500: logged with ``what`` (and the traceback being handled), while the client sees only an
+    id to quote, never the exception's text."""
+    request_id = request_id or f"err-{uuid.uuid4().hex}"
+    log.error("%s (request id %s)", what, request_id, exc_info=with_traceback)
+    return APIError(500, f"internal server error (request id {request_id})", code=code,
+                    headers={"X-Request-Id": request_id})

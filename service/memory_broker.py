@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 
 from service.broker_api import Pulled, ReplyRouter, RequestHandle, read_request
 from service.messages import Heartbeat, ReplyEvent, RequestMsg, decode, encode
@@ -22,23 +22,25 @@ class MemoryBus:
     """One deployment's shared state: what the Redis keys hold."""
 
     def __init__(self) -> None:
-        self.queued: deque[tuple[bytes, bytes]] = deque()  # (entry id, RequestMsg) not pulled yet
+        # per served model, as the request streams: (entry id, RequestMsg) not pulled yet
+        self.queued: defaultdict[str, deque[tuple[bytes, bytes]]] = defaultdict(deque)
         self.unacked: dict[bytes, bytes] = {}  # pulled, not finished
         self.aborts: list[str] = []
         self.beats: dict[str, tuple[bytes, float]] = {}  # engine id -> (Heartbeat, monotonic expiry)
         self.gateways: dict[str, MemoryGatewayBroker] = {}
-        self.arrived = asyncio.Event()
+        self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._entry_ids = itertools.count(1)
 
-    def enqueue(self, payload: bytes) -> None:
-        self.queued.append((str(next(self._entry_ids)).encode(), payload))
-        self.arrived.set()
+    def enqueue(self, model: str, payload: bytes) -> None:
+        self.queued[model].append((str(next(self._entry_ids)).encode(), payload))
+        self.arrived[model].set()
 
-    def pull(self, count: int) -> list[tuple[bytes, bytes]]:
-        taken = [self.queued.popleft() for _ in range(min(count, len(self.queued)))]
+    def pull(self, model: str, count: int) -> list[tuple[bytes, bytes]]:
+        queued = self.queued[model]
+        taken = [queued.popleft() for _ in range(min(count, len(queued)))]
         self.unacked.update(taken)
-        if not self.queued:
-            self.arrived.clear()
+        if not queued:
+            self.arrived[model].clear()
         return taken
 
     def live_beats(self) -> dict[str, bytes]:
@@ -66,8 +68,9 @@ class MemoryGatewayBroker(ReplyRouter):
         self.bus.gateways.pop(self.gateway_id, None)
 
     async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+        payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
-        self.bus.enqueue(encode(msg))
+        self.bus.enqueue(msg.model, payload)
         return queue
 
     async def abort(self, request_id: str) -> None:
@@ -84,9 +87,11 @@ class MemoryGatewayBroker(ReplyRouter):
 
 
 class MemoryWorkerBroker:
-    def __init__(self, bus: MemoryBus, engine_id: str, heartbeat_ttl_s: float, block_s: float = 0.1) -> None:
+    def __init__(self, bus: MemoryBus, engine_id: str, model: str, heartbeat_ttl_s: float,
+                 block_s: float = 0.1) -> None:
         self.bus = bus
         self.engine_id = engine_id
+        self.model = model
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
@@ -99,12 +104,12 @@ class MemoryWorkerBroker:
 
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
         """Up to ``count`` new requests (waiting up to ``block_s`` for one if ``block``) and new aborts."""
-        if block and count and not self.bus.queued:
+        if block and count and not self.bus.queued[self.model]:
             try:
-                await asyncio.wait_for(self.bus.arrived.wait(), self._block_s)
+                await asyncio.wait_for(self.bus.arrived[self.model].wait(), self._block_s)
             except asyncio.TimeoutError:
                 pass
-        pulled = [read_request(entry_id, payload) for entry_id, payload in self.bus.pull(count)]
+        pulled = [read_request(entry_id, payload) for entry_id, payload in self.bus.pull(self.model, count)]
         aborts = self.bus.aborts[self._abort_cursor:]
         self._abort_cursor += len(aborts)
         return pulled, aborts

@@ -15,7 +15,7 @@ import msgpack
 from engine.outputs import TokenLogprobs
 from engine.stats import EngineStats
 
-SCHEMA_VERSION = 2  # 2: a Heartbeat's figures are EngineStats fields
+SCHEMA_VERSION = 3  # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model
 
 T = TypeVar("T")
 
@@ -33,6 +33,7 @@ class RequestMsg:
     params: dict[str, Any]  # SamplingParams fields
     gateway_id: str
     arrival_time: float
+    model: str  # the served model it is for: only an engine serving that model may take it
     cache_salt: str | None = None
 
 

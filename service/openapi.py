@@ -1,28 +1,33 @@
 """The OpenAPI 3.1 document served at /openapi.json (the routes and their
 main fields; the full field semantics are OpenAI's, as read by vLLM). The
-sampling fields' types, bounds and defaults come from SamplingParams."""
+sampling fields' types, bounds and defaults come from SamplingParams, the
+server's own caps (n, logprobs, stop strings) and the model name from the
+gateway's config, so a fuzzer driven by the document sends what the server takes."""
 from __future__ import annotations
 
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from engine.field_specs import value_type
+from engine.field_specs import value_bounds, value_type
 from engine.sampling_params import SamplingParams
+
+from service.config import GatewayConfig
+from service.protocol import MAX_CACHE_SALT_CHARS, ROLES
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 
 
 def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
-    """A SamplingParams field's schema: its type, bounds and default."""
+    """A SamplingParams field's schema: its type, bounds (of each item, for a list) and default."""
     kind = value_type(SamplingParams, f.name)
-    schema: dict[str, Any] = {"type": "array", "items": {"type": "integer"}} if kind is list \
-        else {"type": _JSON_TYPES[kind]}
-    if (bounds := f.metadata.get("bounds")) is not None:
+    value: dict[str, Any] = {"type": "integer" if kind is list else _JSON_TYPES[kind]}
+    if (bounds := value_bounds(SamplingParams, f.name)) is not None:
         if bounds.low is not None:
-            schema["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.low
+            value["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.low
         if bounds.high is not None:
-            schema["maximum"] = bounds.high
+            value["maximum"] = bounds.high
+    schema = {"type": "array", "items": value, "maxItems": f.metadata["max_items"]} if kind is list else value
     if with_default and f.default not in (None, MISSING):
         schema["default"] = f.default
     return schema
@@ -35,13 +40,18 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "include_stop_str_in_output": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
-    "user": {"type": "string"}, "cache_salt": {"type": "string"},
+    "user": {"type": "string"}, "cache_salt": {"type": "string", "maxLength": MAX_CACHE_SALT_CHARS},
 }
-_CHAT = {**_SAMPLING, "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"]}},
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": sorted(ROLES)},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}
+_CHAT = {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
          "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},
          "top_logprobs": _param(_PARAMS["logprobs"])}
-_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [{"type": "string"},
-                                                 {"type": "array", "items": {"type": "integer"}}]},
+_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {
+    "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
                "logprobs": _param(_PARAMS["logprobs"])}
 _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
@@ -65,7 +75,21 @@ def _get_op(summary: str, content_type: str = "application/json") -> dict[str, A
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}}
 
 
-def openapi_document(model_name: str) -> dict[str, Any]:
+def _with_server_caps(properties: dict[str, Any], model_name: str, config: GatewayConfig) -> dict[str, Any]:
+    """The request fields as this server takes them: its model, and its caps on top of SamplingParams'."""
+    capped = {**properties, "model": {"enum": [model_name]}, "n": {**properties["n"], "maximum": config.max_n},
+              "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}, {
+                  "type": "array", "maxItems": config.max_stop_strings,
+                  "items": {"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}}]}}
+    for name in ("logprobs", "top_logprobs"):
+        if properties.get(name, {}).get("type") == "integer":
+            capped[name] = {**properties[name], "maximum": min(properties[name]["maximum"], config.max_logprobs)}
+    return capped
+
+
+def openapi_document(model_name: str, config: GatewayConfig | None = None) -> dict[str, Any]:
+    config = config or GatewayConfig()
+    chat, completion = (_with_server_caps(p, model_name, config) for p in (_CHAT, _COMPLETION))
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": "0.1.0",
@@ -73,8 +97,8 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {
-            "/v1/chat/completions": _generation_op("Chat completion", _CHAT, ["model", "messages"]),
-            "/v1/completions": _generation_op("Text completion", _COMPLETION, ["model", "prompt"]),
+            "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"]),
+            "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"]),
             "/v1/models": _get_op("The served model"),
             "/health": _get_op("Process alive (no API key needed)"),
             "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),

@@ -5,7 +5,9 @@ Everything a client can get wrong is caught here and raised as ``APIError``
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                 503: "service_unavailable_error"}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 # SamplingParams fields read by hand below (caps, aliases, chat's boolean logprobs); a body sets every
 # other one under its own name, with its type and default.
@@ -30,6 +32,8 @@ _COMMON = set(_PARAMS) | {"model", "stream", "stream_options", "stop", "include_
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "tools", "tool_choice", "functions", "response_format"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
+MAX_CACHE_SALT_CHARS = 256
+MAX_JSON_DEPTH = 32  # a chat body needs 4 (body, messages, message, content parts)
 
 
 class APIError(Exception):
@@ -66,6 +70,40 @@ class GenerationRequest:
     include_usage: bool = False
     want_logprobs: bool = False
     cache_salt: str | None = None
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON: NaN, infinities and nesting past ``MAX_JSON_DEPTH`` are client errors."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        body = None  # nested past the parser's own stack: certainly too deep
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, integers of more than 4,300 digits
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if body is None or _nested_deeper(body, MAX_JSON_DEPTH):
+        raise APIError(400, f"the request body is not a JSON object nested at most {MAX_JSON_DEPTH} levels deep")
+    return body
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of the range of a double")
+    return value
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Level by level, without recursion; only containers are followed."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def parse_chat(body: Any, config: GatewayConfig) -> GenerationRequest:
@@ -124,7 +162,14 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
-        want_logprobs=logprobs is not None, cache_salt=_get(body, "cache_salt", str, None))
+        want_logprobs=logprobs is not None, cache_salt=_parse_cache_salt(body))
+
+
+def _parse_cache_salt(body: dict[str, Any]) -> str | None:
+    salt = _get(body, "cache_salt", str, None)
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise APIError(400, f"cache_salt is limited to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    return salt
 
 
 def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -147,8 +192,8 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
 
 def _parse_message(i: int, message: Any) -> dict[str, str]:
     param = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in _ROLES:
-        raise APIError(400, f"{param} must be an object with a role in {sorted(_ROLES)}", param=param)
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
+        raise APIError(400, f"{param} must be an object with a role in {sorted(ROLES)}", param=param)
     content = message.get("content")
     if content is None and message["role"] == "assistant":
         content = ""
@@ -206,7 +251,10 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise APIError(400, f"'{name}' is out of range", param=name) from None
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise APIError(400, f"'{name}' must be of type {kind.__name__}", param=name)
     return value

@@ -139,6 +139,9 @@ class Worker:
         msg = item.msg
         if msg.request_id in self._recent_aborts:
             return self._event(EventKind.OUTPUT, finished=True)
+        if msg.model != self.model_name:  # the per-model request streams keep this from happening
+            return self._event(EventKind.ERROR, finished=True, status=404,
+                               error=f"this engine serves {self.model_name!r}, not {msg.model!r}")
         try:
             params = SamplingParams(**msg.params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)

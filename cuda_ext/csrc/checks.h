@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "head_sizes.h"
+
 namespace pagedserve {
 
 // [num_blocks, num_kv_heads, block_size, head_size]; any stride(0) (the
@@ -32,6 +34,11 @@ inline void check_tokens(const at::Tensor& t, const char* name, int64_t head_siz
 
 inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.device() == b.device(), what, ": tensors on ", a.device(), " and ", b.device());
+}
+
+inline void check_head_size(int64_t d) {
+  TORCH_CHECK(supported_head_size(d), "paged_attention: unsupported head_size ", d, " (compiled for", kHeadSizesText,
+              ")");
 }
 
 inline void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
@@ -73,6 +80,7 @@ inline void check_paged_attention(const at::Tensor& out, const at::Tensor& query
               "query_start_loc must be contiguous int32 [num_seqs + 1=", b + 1, "]");
   for (const at::Tensor* t : {&out, &query, &block_tables, &seq_lens, &query_start_loc})
     check_same_device(*t, key_cache, "paged_attention");
+  check_head_size(key_cache.size(3));
 }
 
 // Whole block rows [num_blocks, ...] move as one dense chunk each.

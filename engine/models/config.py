@@ -41,19 +41,11 @@ def read_model_config(path: str) -> ModelConfig:
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     return ModelConfig(
-        path=path,
-        architecture=archs[0],
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden // num_heads,
-        max_position_embeddings=context_length(path, hf),
+        path=path, architecture=archs[0], vocab_size=hf["vocab_size"], hidden_size=hidden, num_heads=num_heads,
+        num_layers=hf["num_hidden_layers"], num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context_length(path, hf),
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
-        eos_token_ids=_eos_ids(path, hf),
-        hf=hf,
-    )
+        eos_token_ids=_eos_ids(path, hf), hf=hf)
 
 
 def context_length(path: str, hf: dict | None = None) -> int:
@@ -85,17 +77,13 @@ def _eos_ids(path: str, hf: dict) -> list[int]:
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
     """``auto`` = the checkpoint's dtype, but bf16 instead of fp16 on CPU (fp16 matmuls are slow there)."""
     if name == "auto":
-        if checkpoint_dtype == torch.float16 and device == "cpu":
-            return torch.bfloat16
-        return checkpoint_dtype
+        return torch.bfloat16 if checkpoint_dtype == torch.float16 and device == "cpu" else checkpoint_dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]

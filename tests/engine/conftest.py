@@ -10,7 +10,7 @@ import transformers
 
 VOCAB = 300
 MAX_NEW_TOKENS = 20
-# head_dim 64: the compiled attention kernels support head sizes 64..256.
+# head_dim 64, one of the compiled attention kernels' head sizes (cuda_ext.HEAD_SIZES).
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
               max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0,
               # Wider than HF's 0.02 default so logits are peaked and fp32 argmax ties are unlikely.
@@ -37,9 +37,11 @@ class Checkpoint:
     hf_model: transformers.PreTrainedModel
 
 
-def build_checkpoint(arch: str, folder, shard: bool = False) -> Checkpoint:
+def build_checkpoint(arch: str, folder, shard: bool = False, config: transformers.PretrainedConfig | None = None
+                     ) -> Checkpoint:
+    """``arch``'s checkpoint from ARCH_CONFIGS, or one of ``config`` when given."""
     torch.manual_seed(0)
-    config = ARCH_CONFIGS[arch]()
+    config = config or ARCH_CONFIGS[arch]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     # Sharded for one family so multi-file loading is covered.

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_ext import reference
+from cuda_ext import HEAD_SIZES, reference
 
 from .paged_batch import DEVICES, make_batch
 
@@ -40,7 +40,7 @@ def random_case(rng: random.Random, decode: bool) -> dict:
                          "single": 1, "long": rng.randrange(300, 700)}[kind])
     q_lens = [1 if decode else rng.randint(1, n) for n in seq_lens]
     return dict(seq_lens=seq_lens, q_lens=q_lens, num_heads=kv_heads * ratio, num_kv_heads=kv_heads,
-                head_size=rng.choice([64, 80, 96, 128, 256]), block_size=block_size)
+                head_size=rng.choice(HEAD_SIZES), block_size=block_size)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,7 +55,7 @@ def test_matches_reference_on_random_shapes(ext_ops, device, decode, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("ratio", [1, 2, 7, 8])
 def test_every_head_size_and_gqa_ratio(ext_ops, device, head_size, ratio):
     # decode rows and a chunked-prefill chunk after a cached prefix in one batch
@@ -127,7 +127,7 @@ def test_reference_matches_sdpa_on_dense_kv(dtype):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(head_size=48), "head_size"),
+        (dict(head_size=72), "unsupported head_size 72"),
         (dict(num_heads=3), "multiple"),
         (dict(q_lens=[9]), "seq_len"),
     ],
@@ -137,6 +137,10 @@ def test_bad_input_raises_clear_error(ext_ops, change, message):
     batch = make_batch(**case, dtype=torch.float32)  # q_lens=[9]: seq_len 8 cannot hold a 9-token chunk
     with pytest.raises(RuntimeError, match=message):
         ext_ops.paged_attention(*batch.attention_args(torch.empty_like(batch.query)))
+
+
+def test_every_head_size_of_real_checkpoints_is_compiled():
+    assert {32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256} <= set(HEAD_SIZES)
 
 
 def test_rejects_query_start_loc_past_the_query(ext_ops):

@@ -91,8 +91,8 @@ def demo_engine(demo_model: str) -> LLMEngine:
 
 def memory_worker(bus: MemoryBus, engine: Any) -> Worker:
     config = WorkerConfig(engine_id="w0", heartbeat_interval_s=0.05, heartbeat_ttl_s=1.0)
-    return Worker(config, engine, MODEL_NAME, MemoryWorkerBroker(bus, config.engine_id, config.heartbeat_ttl_s,
-                                                                 block_s=0.02))
+    return Worker(config, engine, MODEL_NAME, MemoryWorkerBroker(bus, config.engine_id, MODEL_NAME,
+                                                                 config.heartbeat_ttl_s, block_s=0.02))
 
 
 @asynccontextmanager

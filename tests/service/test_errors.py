@@ -91,7 +91,7 @@ def make_gateway(redis: RedisConfig, tokenizer, **overrides) -> Gateway:
 
 
 async def fake_heartbeat(redis: RedisConfig) -> RedisWorkerBroker:
-    broker = RedisWorkerBroker(redis, "fake-engine", reply_ttl_s=60, heartbeat_ttl_s=30)
+    broker = RedisWorkerBroker(redis, "fake-engine", MODEL_NAME, reply_ttl_s=60, heartbeat_ttl_s=30)
     await broker.start()
     await broker.heartbeat(Heartbeat("fake-engine", "1", MODEL_NAME, 2048, engine_stats()))
     return broker
@@ -162,7 +162,7 @@ async def test_cors_allows_only_configured_origins(redis_url: str, prefix: str, 
 async def test_failing_request_does_not_stop_the_worker(redis_url: str, prefix: str, demo_tokenizer) -> None:
     redis = RedisConfig(url=redis_url, prefix=prefix, block_ms=200)
     config = WorkerConfig(redis=redis, engine_id="fake", heartbeat_interval_s=0.1)
-    broker = RedisWorkerBroker(redis, config.engine_id, config.reply_ttl_s, config.heartbeat_ttl_s)
+    broker = RedisWorkerBroker(redis, config.engine_id, MODEL_NAME, config.reply_ttl_s, config.heartbeat_ttl_s)
     worker = Worker(config, FakeEngine(), MODEL_NAME, broker)
     loop_task = asyncio.create_task(worker.run())
     gateway = make_gateway(redis, demo_tokenizer)

@@ -15,7 +15,7 @@ from tests.service.conftest import engine_stats
 
 def test_round_trips_and_params_survive() -> None:
     params = SamplingParams(n=2, temperature=0.5, top_k=3, stop_token_ids=[7], logprobs=1, seed=9)
-    msg = RequestMsg("r1", [1, 2, 3], params_to_wire(params), "gw", 12.5, "salt")
+    msg = RequestMsg("r1", [1, 2, 3], params_to_wire(params), "gw", 12.5, "m", "salt")
     back = decode(RequestMsg, encode(msg))
     assert back == msg and SamplingParams(**back.params) == params
     event = ReplyEvent(EventKind.OUTPUT, "e1", "i1", [ChoiceDelta(1, [5], [[[5, -0.1], [6, -2.0]]], "stop")], True, 4)

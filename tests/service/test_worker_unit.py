@@ -11,7 +11,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
-from tests.service.conftest import memory_worker, running, until
+from tests.service.conftest import MODEL_NAME, memory_worker, running, until
 from tests.service.fake_engine import BOOM_ON_ADD, BOOM_ON_STEP, FakeEngine
 
 
@@ -31,7 +31,7 @@ async def gateway(bus: MemoryBus) -> AsyncIterator[MemoryGatewayBroker]:
 async def submit(gateway: MemoryGatewayBroker, request_id: str, prompt: list[int], wire: dict | None = None,
                  **params) -> asyncio.Queue[ReplyEvent]:
     wire = wire or params_to_wire(SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **params}))
-    return await gateway.submit(RequestMsg(request_id, prompt, wire, gateway.gateway_id, time.time()))
+    return await gateway.submit(RequestMsg(request_id, prompt, wire, gateway.gateway_id, time.time(), MODEL_NAME))
 
 
 async def until_finished(queue: asyncio.Queue[ReplyEvent]) -> list[ReplyEvent]:
@@ -55,7 +55,7 @@ async def test_request_flows_through_the_real_engine(bus, gateway, demo_engine) 
         events = await until_finished(await submit(gateway, "r1", [1, 2, 3], max_tokens=5))
     assert events[0].kind is EventKind.ACCEPTED and events[0].engine_id == "w0"
     assert len(tokens(events)) == 5 and events[-1].choices[-1].finish_reason == "length"
-    assert not bus.queued and not bus.unacked  # pulled, then acked once finished
+    assert not bus.queued[MODEL_NAME] and not bus.unacked  # pulled, then acked once finished
 
 
 async def test_replies_arrive_in_order_per_request(bus, gateway) -> None:
@@ -74,7 +74,7 @@ async def test_pulls_only_with_room(bus, gateway) -> None:
         engine.capacity = False
         queue = await submit(gateway, "r1", [1], max_tokens=2)
         await until(lambda: not engine.has_unfinished_requests())  # stepping "busy", it polled with no room
-        assert len(bus.queued) == 1 and queue.empty() and gateway.num_pending == 1
+        assert len(bus.queued[MODEL_NAME]) == 1 and queue.empty() and gateway.num_pending == 1
         engine.capacity = True
         assert tokens(await until_finished(queue)) == [66, 67]
 

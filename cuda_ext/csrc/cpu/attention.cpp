@@ -38,6 +38,11 @@ inline Vec load_f32(const c10::BFloat16* p) {
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// Dims [0, kVecEnd<D>) go kW at a time; a head size that is no multiple of kW (40 with
+// AVX-512) does its last dims one by one.
+template <int64_t D>
+constexpr int64_t kVecEnd = D / kW * kW;
+
 // Raw pointers and strides (in elements) of one call.
 template <typename T>
 struct Problem {
@@ -81,7 +86,8 @@ void load_queries(const Problem<T>& p, const WorkItem& w, int64_t q_start, Scrat
     for (int64_t g = 0; g < g_count; ++g) {
       const int64_t r = (i - w.i0) * g_count + g;
       const T* src = p.q + (q_start + i) * p.q_stride_t + (w.kv_head * g_count + g) * p.q_stride_h;
-      for (int64_t d = 0; d < D; d += kW) (load_f32(src + d) * Vec(p.scale)).store(&sc.q[r * D + d]);
+      for (int64_t d = 0; d < kVecEnd<D>; d += kW) (load_f32(src + d) * Vec(p.scale)).store(&sc.q[r * D + d]);
+      for (int64_t d = kVecEnd<D>; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
       std::fill_n(&sc.acc[r * D], D, 0.f);
       sc.m[r] = -std::numeric_limits<float>::infinity();
       sc.l[r] = 0.f;
@@ -93,7 +99,9 @@ template <int64_t D>
 const float* as_f32(const float* block, int64_t, float*) { return block; }
 template <int64_t D>
 const float* as_f32(const c10::BFloat16* block, int64_t n, float* buf) {
-  for (int64_t i = 0; i < n * D; i += kW) load_f32(block + i).store(buf + i);
+  const int64_t end = n * D / kW * kW;
+  for (int64_t i = 0; i < end; i += kW) load_f32(block + i).store(buf + i);
+  for (int64_t i = end; i < n * D; ++i) buf[i] = static_cast<float>(block[i]);
   return buf;
 }
 
@@ -158,7 +166,9 @@ void score_direct(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, int64_t rows,
         const float* q = &sc.q[r * D];
         Vec a = Vec::loadu(q) * kr[0];
         for (int64_t j = 1; j < D / kW; ++j) a = at::vec::fmadd(Vec::loadu(q + j * kW), kr[j], a);
-        s[r * sc.ld + t] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), a);
+        float dot = at::vec::vec_reduce_all<float>(std::plus<Vec>(), a);
+        for (int64_t d = kVecEnd<D>; d < D; ++d) dot += q[d] * static_cast<float>(k[t * D + d]);
+        s[r * sc.ld + t] = dot;
       }
     }
     prefetch_ahead(kv, blk, b1 - b0);
@@ -242,6 +252,13 @@ void accumulate_values(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, int64_t 
           acc[j] = at::vec::fmadd(Vec(p[c * bs + t]), Vec::loadu(v + t * D + j * kW), acc[j]);
     }
     for (int64_t j = 0; j < D / kW; ++j) acc[j].store(out + j * kW);
+    for (int64_t d = kVecEnd<D>; d < D; ++d) {
+      float a = out[d] * sc.alpha[r];
+      for (int64_t c = 0; c * bs < sc.valid[r]; ++c)
+        for (int64_t t = 0, n = std::min(bs, sc.valid[r] - c * bs); t < n; ++t)
+          a += p[c * bs + t] * sc.v_rows[c][t * D + d];
+      out[d] = a;
+    }
   }
 }
 
@@ -317,12 +334,11 @@ void run(const Problem<T>& p, int64_t num_seqs, int64_t num_kv_heads) {
 template <typename T>
 void dispatch_head_size(const Problem<T>& p, int64_t d, int64_t num_seqs, int64_t num_kv_heads) {
   switch (d) {
-    case 64: return run<T, 64>(p, num_seqs, num_kv_heads);
-    case 80: return run<T, 80>(p, num_seqs, num_kv_heads);
-    case 96: return run<T, 96>(p, num_seqs, num_kv_heads);
-    case 128: return run<T, 128>(p, num_seqs, num_kv_heads);
-    case 256: return run<T, 256>(p, num_seqs, num_kv_heads);
-    default: TORCH_CHECK(false, "paged_attention: unsupported head_size ", d, " (64, 80, 96, 128, 256)");
+#define PAGEDSERVE_CASE(D) \
+  case D: return run<T, D>(p, num_seqs, num_kv_heads);
+    PAGEDSERVE_HEAD_SIZES(PAGEDSERVE_CASE)
+#undef PAGEDSERVE_CASE
+    default: check_head_size(d);  // throws
   }
 }
 

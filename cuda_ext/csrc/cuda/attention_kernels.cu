@@ -6,6 +6,7 @@
 // at the end. fp32 math, exact expf.
 #include <cfloat>
 
+#include "../head_sizes.h"
 #include "convert.cuh"
 
 namespace pagedserve::cuda {
@@ -90,11 +91,10 @@ template <typename T>
 cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.num_tokens, a.num_heads);
   switch (a.head_size) {
-    case 64: paged_attention_kernel<T, 64><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 80: paged_attention_kernel<T, 80><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 96: paged_attention_kernel<T, 96><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 128: paged_attention_kernel<T, 128><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 256: paged_attention_kernel<T, 256><<<grid, kWarps * 32, 0, stream>>>(a); break;
+#define PAGEDSERVE_CASE(D) \
+  case D: paged_attention_kernel<T, D><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    PAGEDSERVE_HEAD_SIZES(PAGEDSERVE_CASE)
+#undef PAGEDSERVE_CASE
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

@@ -50,8 +50,6 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           double scale) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
   const int64_t d = key_cache.size(3);
-  TORCH_CHECK(d == 64 || d == 80 || d == 96 || d == 128 || d == 256, "paged_attention: unsupported head_size ", d,
-              " (64, 80, 96, 128, 256)");
   const c10::DeviceGuard guard(query.device());
   const cuda::AttentionArgs args{
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
