@@ -41,19 +41,22 @@ class SchedulerOutput:
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
+    # samples(), built once: the engine (to sample) and update_from_output (to record) both walk it.
+    _samples: list[tuple[int, ScheduledSeq, Sequence]] | None = field(default=None, repr=False)
 
     def samples(self) -> list[tuple[int, ScheduledSeq, Sequence]]:
         """(logits row, scheduled seq, sequence) per token to draw, in the sampler's order:
-        row r is the r-th ``do_sample`` sequence, shared by the children it forks."""
-        samples = []
-        row = 0
-        for s in self.scheduled:
-            if s.do_sample:
-                samples.append((row, s, s.seq))
-                if s.forks:
-                    samples += [(row, s, child) for child in s.forks]
-                row += 1
-        return samples
+        row r is the r-th ``do_sample`` sequence, shared by the children it forks. Call it
+        once scheduling is over (the list is kept)."""
+        if self._samples is None:
+            self._samples = []
+            row = 0
+            for s in self.scheduled:
+                if s.do_sample:
+                    self._samples.append((row, s, s.seq))
+                    self._samples += [(row, s, child) for child in s.forks]
+                    row += 1
+        return self._samples
 
     @property
     def num_batched_tokens(self) -> int:
