@@ -62,7 +62,7 @@ def connect(config: RedisConfig, blocking: bool = False) -> aioredis.Redis:
     """A client; a blocking one gets a socket timeout just above the block time."""
     timeout = config.block_ms / 1000 + 1.0 if blocking else _COMMAND_TIMEOUT_S
     return aioredis.Redis.from_url(config.url, socket_timeout=timeout, socket_connect_timeout=_COMMAND_TIMEOUT_S,
-                                   protocol=2, decode_responses=False)
+                                   protocol=2, decode_responses=False, **config.connection_options())
 
 
 async def ensure_group(client: aioredis.Redis, requests: str) -> None:

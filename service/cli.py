@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 
-from service.config import GatewayConfig, RedisConfig, WorkerConfig, served_name
+from service.config import GatewayConfig, RedisConfig, WorkerConfig, require_auth, served_name
 from service.flags import (Section, add_config_flags, add_flag, changed_flags, config_from_args, public_values,
                            secret_env)
 from service.local_stack import LocalStack, RedisServerMissing
@@ -31,10 +31,12 @@ _REDIS_HELP = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: s
 
 _BROKER, _GATEWAY = ("broker", RedisConfig), ("gateway", GatewayConfig)
 _ENGINE, _WORKER = ("engine", EngineConfig), ("worker", WorkerConfig)
+# serve's own Redis is a private unix socket: no URL, account or TLS to give.
+_PRIVATE_REDIS = {"url", "username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
 # Each command: its help, the configs whose options it takes, and the options it leaves out.
 _COMMANDS: dict[str, tuple[str, list[Section], set[str]]] = {
     "serve": ("run everything on this machine: a private redis-server, a worker and a gateway",
-              [_BROKER, _GATEWAY, _ENGINE, _WORKER], {"url"}),  # its own Redis has no URL to give
+              [_BROKER, _GATEWAY, _ENGINE, _WORKER], _PRIVATE_REDIS),
     "gateway": ("run the OpenAI-compatible HTTP gateway against --redis-url", [_BROKER, _GATEWAY], set()),
     "worker": ("run one engine worker against --redis-url", [_BROKER, _ENGINE, _WORKER], set()),
 }
@@ -140,6 +142,7 @@ async def _serve_worker(config: WorkerConfig) -> None:
 
 def _serve_all(args: argparse.Namespace) -> int:
     """A private redis-server on a unix socket, then a worker and a gateway process."""
+    require_auth(args.host, tuple(args.api_keys), args.insecure_no_auth)  # before starting anything
     stack = LocalStack(env=secret_env(_COMMANDS["serve"][1], args))
     stack.add_worker(_child_argv(args, "worker"))
     stack.add_gateway(_child_argv(args, "gateway"), args.host, args.port)

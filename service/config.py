@@ -5,6 +5,7 @@ enforces them; one with a ``help`` is a command-line option (service/flags.py).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -30,11 +31,35 @@ class RedisConfig:
     prefix: str = spec("pagedserve", flag="--redis-prefix", help="key prefix, to share one Redis between deployments")
     # Blocking reads; their socket timeout is a little longer.
     block_ms: int = spec(1000, low=1, flag="--redis-block-ms", help="blocking-read time of the broker loops")
+    # An ACL user (README, "Redis ACL user"); secrets, so they travel in the environment, never in argv.
+    username: str | None = spec(None, flag="--redis-username", secret=True, help="Redis ACL user name")
+    password: str | None = spec(None, flag="--redis-password", secret=True,
+                                help="Redis password (of the ACL user, or requirepass's)")
+    # TLS (rediss://): the server's CA, and a client certificate where the server asks for one.
+    ssl_ca_certs: str | None = spec(None, flag="--redis-ssl-ca", help="CA bundle that verifies a rediss:// server")
+    ssl_certfile: str | None = spec(None, flag="--redis-ssl-cert", help="client certificate for rediss:// (PEM)")
+    ssl_keyfile: str | None = spec(None, flag="--redis-ssl-key", help="client certificate's key for rediss:// (PEM)")
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.prefix or any(c in self.prefix for c in " {}"):
             raise ValueError(f"invalid redis prefix {self.prefix!r}")
+        if not self.url.startswith("rediss://") and (self.ssl_ca_certs or self.ssl_certfile or self.ssl_keyfile):
+            raise ValueError("the --redis-ssl-* options need a rediss:// URL")
+
+    def __repr__(self) -> str:  # never the password, should a config be logged
+        return f"RedisConfig(url={_without_password(self.url)!r}, prefix={self.prefix!r}, user={self.username!r})"
+
+    def connection_options(self) -> dict[str, str]:
+        """redis-py's keyword arguments for the options that are set (a URL's own user and password win)."""
+        names = ("username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{credentials.partition(':')[0]}:***@{host}" if at else url
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +71,8 @@ class GatewayConfig:
     served_model_name: str | None = spec(help="name clients send as 'model' (default: the folder's name, or "
                                               "pagedserve-demo)", group="model")
     host: str = spec("127.0.0.1", help="address to listen on")
+    insecure_no_auth: bool = spec(False, help="listen on a non-loopback address without API keys (anyone who "
+                                              "reaches the port may use the model)")
     port: int = spec(8000, help="HTTP port")
     api_keys: tuple[str, ...] = spec((), flag="--api-key", secret=True,
                                      help="accepted API key, repeatable (Authorization: Bearer <key>); none: no auth")
@@ -69,6 +96,7 @@ class GatewayConfig:
         check_fields(self)
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        require_auth(self.host, self.api_keys, self.insecure_no_auth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +121,25 @@ class WorkerConfig:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_ttl_s")
         if not self.engine_id:  # settled here, once: the config is frozen from then on
             object.__setattr__(self, "engine_id", f"{os.uname().nodename}-{os.getpid()}")
+
+
+def require_auth(host: str, api_keys: tuple[str, ...], insecure_no_auth: bool) -> None:
+    """Fails closed: a gateway reachable from other machines needs API keys, unless told otherwise."""
+    if api_keys or insecure_no_auth or is_loopback(host):
+        return
+    raise ValueError(f"refusing to listen on {host!r} without API keys: anyone who can reach it could use the "
+                     "model. Give --api-key (or PAGEDSERVE_API_KEY), listen on 127.0.0.1, or pass "
+                     "--insecure-no-auth if the network in front of it does the authentication")
+
+
+def is_loopback(host: str) -> bool:
+    """Only addresses that certainly stay on this machine; a name other than localhost may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or "" (every interface)
+        return False
 
 
 def served_name(model_path: str | None, explicit: str | None) -> str:

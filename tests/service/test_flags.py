@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from engine.config import EngineConfig
-from service.cli import _child_argv, build_parser, gateway_config, worker_config
+from service.cli import _PRIVATE_REDIS, _child_argv, build_parser, gateway_config, worker_config
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.flags import config_argv, flag_name, secret_env
 
@@ -76,7 +76,8 @@ def test_serve_hands_its_flags_to_its_children(command: str, monkeypatch: pytest
     assert env == {"PAGEDSERVE_API_KEY": "k1,k2"}
     monkeypatch.setenv("PAGEDSERVE_API_KEY", env["PAGEDSERVE_API_KEY"])
     child = vars(build_parser().parse_args([command, *argv]))
-    child.pop("url"), child.pop("command")
+    for name in (*_PRIVATE_REDIS, "command"):
+        child.pop(name)
     assert child == {name: getattr(args, name) for name in child}
     config = gateway_config if command == "gateway" else worker_config
     assert config(build_parser().parse_args([command, *argv])).redis == RedisConfig(prefix="p", block_ms=50)
