@@ -85,8 +85,12 @@ class GatewayConfig:
     max_logprobs: int = spec(20, help="largest logprobs / top_logprobs accepted")
     engine_poll_s: float = spec(0.5, flag="--engine-poll", help="seconds between reads of the engines' heartbeats")
     retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429")
-    tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates and tokenize prompts, off the "
-                                                 "event loop (more than one needs a tokenizer safe to share)")
+    tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates, tokenize prompts and "
+                                                 "detokenize outputs, off the event loop (more than one needs a "
+                                                 "tokenizer safe to share)")
+    # Generous: long runs of spaces or symbols are single tokens in many vocabularies.
+    max_chars_per_token: int = spec(64, low=1, help="prompts longer than the context length times this many "
+                                                    "characters are rejected before tokenizing")
     prefix_cache_secret: str | None = spec(
         None, secret=True, help="secret keying each API key's prefix-cache salt (default: random per gateway "
                                 "process; give every gateway replica the same one so a key's requests share "

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from jinja2 import TemplateError
@@ -32,6 +32,7 @@ from service.tokenization import encode_chat, encode_prompt
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 # Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
 _PUBLIC_PATHS = {"/health", "/ready"}
 _API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
@@ -53,7 +54,8 @@ class Gateway:
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
         self._salt_secret = (config.prefix_cache_secret or secrets.token_hex(32)).encode()
-        # Tokenizing a long prompt takes milliseconds: never on the event loop, which must keep answering.
+        # Tokenizing a long prompt takes milliseconds, detokenizing a busy server's streams as much: neither
+        # runs on the event loop, which must keep answering.
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
 
@@ -182,7 +184,8 @@ class Gateway:
         if req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._tokenize, req)
+        self._check_chars(req)
+        prompt_ids, assembler = await self.off_loop(self._prepare, req)
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -192,13 +195,38 @@ class Gateway:
             queue = await self.broker.submit(msg)
         except BrokerUnavailable as exc:
             raise APIError(503, str(exc), code="service_unavailable") from exc
-        run = _Run(self, http, req, request_id, prompt_ids, queue, start)
+        run = _Run(self, http, req, request_id, prompt_ids, assembler, queue, start)
         try:
             return await (run.stream() if req.stream else run.complete())
         except ClientGone:
             return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
         finally:
             run.close()
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizer threads (one tokenizer, so never two calls at once by default)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _check_chars(self, req: GenerationRequest) -> None:
+        """Rejects a prompt that cannot fit the context whatever the tokenizer makes of it, before paying
+        for tokenizing it: even at ``max_chars_per_token`` characters per token it is too long."""
+        limit = self._context_len() * self.config.max_chars_per_token
+        if req.chat:
+            size, what = sum(len(m["content"]) for m in req.messages), "characters of message content"
+        else:
+            size, what = len(req.prompt), "tokens" if isinstance(req.prompt, list) else "characters"
+            limit = self._context_len() if isinstance(req.prompt, list) else limit
+        if size > limit:
+            where = "messages" if req.chat else "prompt"
+            raise APIError(400, f"The {where} has {size} {what}; this model's maximum context length is "
+                                f"{self._context_len()} tokens, so this server accepts at most {limit} {what}.",
+                           param=where, code="context_length_exceeded")
+
+    def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
+        """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
+        ids = self._tokenize(req)
+        return ids, OutputAssembler(self.tokenizer, ids, req.params.n, req.stop, req.include_stop_str_in_output,
+                                    req.skip_special_tokens)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         try:
@@ -232,16 +260,20 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
 
+# A choice's update with its logprobs in the endpoint's shape (None when not asked for or none came).
+Update = tuple[ChoiceUpdate, dict[str, Any] | None]
+
+
 class _Run:
     """One request in flight: turns reply events into an HTTP response."""
 
     def __init__(self, gateway: Gateway, http: web.Request, req: GenerationRequest, request_id: str,
-                 prompt_ids: list[int], queue: asyncio.Queue[ReplyEvent], start: float) -> None:
+                 prompt_ids: list[int], assembler: OutputAssembler, queue: asyncio.Queue[ReplyEvent],
+                 start: float) -> None:
         self.gw, self.http, self.req, self.request_id = gateway, http, req, request_id
         self.prompt_ids = prompt_ids
         self.queue = queue
-        self.assembler = OutputAssembler(gateway.tokenizer, prompt_ids, req.params.n, req.stop,
-                                         req.include_stop_str_in_output, req.skip_special_tokens)
+        self.assembler = assembler
         self.logprobs = responses.LogprobFormatter(gateway.tokenizer, req.params.logprobs or 0)
         self.created = int(time.time())
         self.start = start  # when the HTTP request arrived: TTFT includes validation and tokenizing
@@ -256,24 +288,46 @@ class _Run:
         else:
             self.gw.abort_later(self.request_id)
 
-    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+    async def updates(self) -> AsyncIterator[list[Update]]:
+        """Each hop takes every event waiting, so a busy stream pays one trip to the tokenizer threads
+        for all its pending deltas, in order."""
         while not self.assembler.finished:
-            event = await self._next_event()
-            if event.kind is EventKind.ACCEPTED:
-                continue
-            if event.kind is EventKind.ERROR:
+            events = await self._next_events()
+            outputs = [e for e in events if e.kind is EventKind.OUTPUT]
+            for event in outputs:
+                self._observe(event)
+            if outputs:
+                updates = await self.gw.off_loop(self._apply, outputs)
+                if any(e.finished for e in outputs):
+                    self.engine_done = True
+                elif self.assembler.finished:
+                    self.gw.abort_later(self.request_id)  # a stop string ended it: free the engine's blocks now
+                    self.engine_done = True
+                yield updates
+            if events[-1].kind is EventKind.ERROR and not self.assembler.finished:
                 self.engine_done = True
-                raise self._engine_error(event)
-            self._observe(event)
-            updates = self.assembler.apply(event.choices)
-            if event.finished:
-                self.engine_done = True
-                updates += self.assembler.finish_all("abort")
-            elif self.assembler.finished:
-                self.gw.abort_later(self.request_id)  # a stop string ended it: free the engine's blocks now
-                self.engine_done = True
-            yield updates
+                raise self._engine_error(events[-1])
         self._record_finish()
+
+    def _apply(self, events: list[ReplyEvent]) -> list[Update]:
+        """Detokenizes and applies stop strings (on the tokenizer threads); each update with its logprobs
+        in the endpoint's shape."""
+        updates: list[Update] = []
+        for event in events:
+            if self.assembler.finished:
+                break
+            step = self.assembler.apply(event.choices)
+            if event.finished:
+                step += self.assembler.finish_all("abort")
+            updates += [(u, self._logprobs(u)) for u in step]
+        return updates
+
+    async def _next_events(self) -> list[ReplyEvent]:
+        """The next event and those already queued behind it, up to the first that ends the request."""
+        events = [await self._next_event()]
+        while not (events[-1].finished or events[-1].kind is EventKind.ERROR or self.queue.empty()):
+            events.append(self.queue.get_nowait())
+        return events
 
     def _engine_error(self, event: ReplyEvent) -> APIError:
         if event.status == 500:  # a fault of the engine: its text stays in the logs
@@ -315,8 +369,7 @@ class _Run:
     async def complete(self) -> web.Response:
         lp_parts: list[list[dict[str, Any]]] = [[] for _ in range(self.req.params.n)]
         async for updates in self.updates():
-            for u in updates:
-                logprobs = self._logprobs(u)
+            for u, logprobs in updates:
                 if logprobs is not None:
                     lp_parts[u.index].append(logprobs)
         choices = [self._final_choice(i, parts) for i, parts in enumerate(lp_parts)]
@@ -344,9 +397,9 @@ class _Run:
                           "finish_reason": None} for i in range(self.req.params.n)]
                 await sse.send(self._chunk(roles))
             async for updates in self.updates():
-                for u in updates:
-                    if u.text or u.finish_reason or (self.req.want_logprobs and u.logprobs):
-                        await sse.send(self._chunk([self._chunk_choice(u)]))
+                for u, logprobs in updates:
+                    if u.text or u.finish_reason or logprobs is not None:
+                        await sse.send(self._chunk([self._chunk_choice(u, logprobs)]))
             if self.req.include_usage:
                 await sse.send(self._chunk([], self._usage()))
         except APIError as exc:
@@ -363,8 +416,7 @@ class _Run:
         return responses.envelope(self.request_id, obj, self.created, self.gw.model_name, choices, usage,
                                   with_usage=self.req.include_usage)
 
-    def _chunk_choice(self, u: ChoiceUpdate) -> dict[str, Any]:
-        logprobs = self._logprobs(u)
+    def _chunk_choice(self, u: ChoiceUpdate, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         if self.req.chat:
             return responses.chat_chunk_choice(u, logprobs)
         return responses.completion_choice(u.index, u.text, logprobs, u.finish_reason)
