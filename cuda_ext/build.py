@@ -3,6 +3,10 @@
 `python -m cuda_ext.build` builds (or loads the cached build of) the ops for this
 machine; `python -m cuda_ext.build --nvcc-check` compiles the CUDA sources with
 nvcc only (no GPU needed) and exits non-zero when they do not compile.
+
+A container image builds the kernels in its build stage (`--library-out PATH` copies
+the built library there) and sets PAGEDSERVE_KERNELS_LIB=PATH in its runtime stage,
+which then loads that library as it is: no compiler, no staleness check, no writes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ CSRC = Path(__file__).parent / "csrc"
 CPU_SOURCES = ("registration.cpp", "cpu/cache_ops.cpp", "cpu/attention.cpp", "cpu/skinny_gemm.cpp")
 CUDA_SOURCES = ("cuda/bindings.cpp", "cuda/cache_kernels.cu", "cuda/attention_kernels.cu")
 EXTENSION_NAME = "pagedserve_kernels"
+PREBUILT_ENV = "PAGEDSERVE_KERNELS_LIB"
 
 
 def build_directory(with_cuda: bool) -> Path:
@@ -79,6 +84,9 @@ def build(verbose: bool = False) -> None:
     """Compile (if needed) and load the ops into torch.ops.pagedserve (idempotent)."""
     if is_built():
         return
+    if prebuilt := os.environ.get(PREBUILT_ENV):
+        load_prebuilt(Path(prebuilt))
+        return
     require_toolchain()
     from torch.utils.cpp_extension import load
 
@@ -104,6 +112,18 @@ def build(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def load_prebuilt(library: Path) -> None:
+    """Loads a library built elsewhere (an image's build stage) for this torch and Python."""
+    if not library.is_file():
+        raise RuntimeError(f"{PREBUILT_ENV}={library} is not a file: build the kernels with "
+                           "`python -m cuda_ext.build --library-out PATH`, or unset it to build them here")
+    torch.ops.load_library(str(library))
+
+
+def built_library(with_cuda: bool) -> Path:
+    return build_directory(with_cuda) / f"{EXTENSION_NAME}.so"
 
 
 def _cuda_include_dir(nvcc: str, cuda_home: str | None) -> Path:
@@ -153,12 +173,18 @@ def nvcc_check() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuda_ext.build", description=__doc__)
     parser.add_argument("--nvcc-check", action="store_true", help="compile the CUDA sources with nvcc only")
+    parser.add_argument("--library-out", metavar="PATH",
+                        help=f"copy the built library to PATH (for {PREBUILT_ENV} in a runtime image)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.nvcc_check:
         return nvcc_check()
     build(verbose=args.verbose)
     print(f"pagedserve kernels ready in torch.ops.pagedserve ({build_directory(builds_cuda())})")
+    if args.library_out:
+        Path(args.library_out).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built_library(builds_cuda()), args.library_out)
+        print(f"copied to {args.library_out}")
     return 0
 
 
