@@ -30,12 +30,19 @@ def engine_key(prefix: str, engine_id: str) -> str:
     return f"{prefix}:engine:{engine_id}"
 
 
+# RedisConfig's account and TLS options, as the worker reads them from its environment.
+REDIS_OPTION_ENV = {"username": "PAGEDSERVE_REDIS_USERNAME", "password": "PAGEDSERVE_REDIS_PASSWORD",
+                    "ssl_ca_certs": "PAGEDSERVE_REDIS_SSL_CA", "ssl_certfile": "PAGEDSERVE_REDIS_SSL_CERT",
+                    "ssl_keyfile": "PAGEDSERVE_REDIS_SSL_KEY"}
+
+
 def worker_ok() -> bool:
     import redis
 
     prefix = os.environ.get("PAGEDSERVE_REDIS_PREFIX", "pagedserve")
+    options = {name: os.environ[env] for name, env in REDIS_OPTION_ENV.items() if os.environ.get(env)}
     client = redis.Redis.from_url(os.environ.get("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                                  socket_timeout=4, socket_connect_timeout=4)
+                                  socket_timeout=4, socket_connect_timeout=4, **options)
     engine_id = os.environ.get("PAGEDSERVE_ENGINE_ID")
     if engine_id:
         candidates = [engine_id]

@@ -34,6 +34,16 @@ _ABORTS_MAXLEN = 10_000
 _WAKE_MAXLEN = 1_000
 _UNFINISHED_TTL_S = 24 * 3600  # bounds a reply stream whose engine vanished
 _COMMAND_TIMEOUT_S = 5.0
+# Every command gateways, workers and the container probe send: a least-privilege Redis ACL user
+# needs these, on the prefix's keys, and nothing else. (redis-py also names itself with CLIENT
+# SETINFO on connect, Redis 7.2+, and ignores a refusal; README, "Redis ACL user".)
+ACL_COMMANDS = ("xadd", "xread", "xreadgroup", "xack", "xdel", "xgroup|create", "del", "expire", "set", "mget",
+                "sadd", "srem", "smembers", "exists", "ping")
+
+
+def acl_rules(prefix: str) -> str:
+    """The ``ACL SETUSER <name> on ><password>`` rules for a pagedserve user (README, "Redis ACL user")."""
+    return f"~{prefix}:* resetchannels -@all " + " ".join(f"+{c}" for c in ACL_COMMANDS)
 
 
 class Keys:
