@@ -20,3 +20,32 @@ if grep -q "kind: PersistentVolumeClaim" "$rendered/overlays-cpu.yaml"; then
 fi
 kubernetes-validate --strict --quiet model-loader.yaml
 echo "   model-loader.yaml: ok"
+# Closed by default: every container read-only, the API key required, gateway and worker fenced in.
+python - "$rendered"/*.yaml model-loader.yaml <<'PY'
+import sys
+import yaml
+
+for path in sys.argv[1:]:
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    for doc in docs:
+        spec = doc.get("spec", {})
+        pod = spec if doc["kind"] == "Pod" else spec.get("template", {}).get("spec", {})
+        for c in pod.get("containers", []) + pod.get("initContainers", []):
+            where = f"{path}: {doc['kind']}/{doc['metadata']['name']} container {c['name']}"
+            assert c.get("securityContext", {}).get("readOnlyRootFilesystem") is True, f"!! {where}: writable root"
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef", {})
+                assert not ref.get("optional"), f"!! {where}: secret {ref.get('name')} is optional"
+    if path.endswith("model-loader.yaml"):
+        continue
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    for name in ("gateway", "worker"):
+        assert set(policies.get(name, {}).get("policyTypes", [])) == {"Ingress", "Egress"}, \
+            f"!! {path}: no ingress+egress NetworkPolicy for the {name}"
+    assert policies["worker"]["ingress"] == [], f"!! {path}: the worker takes connections"
+    gateway_key = [e for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"
+                   for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+                   if e["name"] == "PAGEDSERVE_API_KEY"]
+    assert gateway_key and "secretKeyRef" in gateway_key[0]["valueFrom"], f"!! {path}: gateway has no API key"
+print("   read-only root filesystems, required API key, gateway and worker NetworkPolicies: ok")
+PY
