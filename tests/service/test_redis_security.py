@@ -184,3 +184,8 @@ async def test_the_broker_runs_over_tls(tls_redis, tokenizer, demo_engine, monke
     with pytest.raises(redis.exceptions.ConnectionError):
         redis.Redis.from_url(f"rediss://localhost:{port}/0", ssl_ca_certs=str(certs["ca.crt"]),
                              socket_timeout=2).ping()
+
+
+def test_the_readme_documents_the_acl_rules() -> None:
+    readme = (Path(ROOT) / "README.md").read_text()
+    assert f"ACL SETUSER pagedserve on >PASSWORD {acl_rules('pagedserve')}\n" in readme
