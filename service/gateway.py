@@ -210,17 +210,18 @@ class Gateway:
     def _check_chars(self, req: GenerationRequest) -> None:
         """Rejects a prompt that cannot fit the context whatever the tokenizer makes of it, before paying
         for tokenizing it: even at ``max_chars_per_token`` characters per token it is too long."""
-        limit = self._context_len() * self.config.max_chars_per_token
+        context = self._context_len()
         if req.chat:
-            size, what = sum(len(m["content"]) for m in req.messages), "characters of message content"
+            size, limit, what = sum(len(m["content"]) for m in req.messages), \
+                context * self.config.max_chars_per_token, "characters of message content"
+        elif isinstance(req.prompt, list):
+            size, limit, what = len(req.prompt), context, "token ids"
         else:
-            size, what = len(req.prompt), "tokens" if isinstance(req.prompt, list) else "characters"
-            limit = self._context_len() if isinstance(req.prompt, list) else limit
+            size, limit, what = len(req.prompt), context * self.config.max_chars_per_token, "characters"
         if size > limit:
-            where = "messages" if req.chat else "prompt"
-            raise APIError(400, f"The {where} has {size} {what}; this model's maximum context length is "
-                                f"{self._context_len()} tokens, so this server accepts at most {limit} {what}.",
-                           param=where, code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
+                                f"accepts at most {limit} {what}; this request has {size}.",
+                           param="messages" if req.chat else "prompt", code="context_length_exceeded")
 
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
