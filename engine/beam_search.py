@@ -55,7 +55,7 @@ class BeamState:
     hyps: list[Hypothesis] = field(default_factory=list)
     improvable: bool = True  # transformers' early-stop heuristic: can a running beam still beat the worst hypothesis
     done: bool = False
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> log-prob row
+    pending: dict[int, TopTokens] = field(default_factory=dict)  # seq_id -> its row's best tokens
 
     @classmethod
     def for_request(cls, params: SamplingParams, num_prompt_tokens: int, eos_token_ids: frozenset[int],
@@ -70,31 +70,57 @@ class BeamState:
     def full(self) -> bool:
         return len(self.hyps) == self.width
 
+    @property
+    def num_kept(self) -> int:
+        """(candidate, token) pairs a step keeps: transformers' max(2, 1 + #eos) * width."""
+        return max(2, 1 + len(self.eos)) * self.width
 
-def logprob_rows(logits: torch.Tensor, samples: list) -> torch.Tensor:
-    """fp32 next-token log-probs of the beam candidates' logits rows (``(row, ScheduledSeq)`` pairs),
-    the logits divided by the request's temperature when it is above greedy."""
+
+@dataclass(slots=True)
+class TopTokens:
+    """Best next tokens of logits rows, by falling log-probability (on the CPU): the top pairs of a
+    whole request are among its candidates' own top pairs, so no step needs a full row again."""
+
+    logprobs: torch.Tensor  # [rows, k] fp32
+    token_ids: torch.Tensor  # [rows, k]
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, k: int) -> TopTokens:
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        return cls(values.cpu(), ids.cpu())
+
+    def row(self, i: int) -> TopTokens:
+        return TopTokens(self.logprobs[i], self.token_ids[i])
+
+
+def top_tokens(logits: torch.Tensor, samples: list) -> TopTokens:
+    """The best next tokens of the beam candidates' logits rows (``(row, ScheduledSeq)`` pairs): fp32
+    log-softmax (of the logits divided by the request's temperature when it is above greedy), as many
+    per row as its request keeps per step."""
     rows = logits[[row for row, _ in samples]].float()
     temps = [s.group.params.temperature for _, s in samples]
     if any(t > _GREEDY_TEMPERATURE for t in temps):
         scale = torch.tensor([t if t > _GREEDY_TEMPERATURE else 1.0 for t in temps], device=rows.device)
         rows = rows / scale[:, None]
-    return torch.log_softmax(rows, dim=-1)
+    return TopTokens.of(torch.log_softmax(rows, dim=-1), max(s.group.beam.num_kept for _, s in samples))
 
 
-def select(state: BeamState, cands: list[Sequence], logprobs: torch.Tensor) -> list[Continuation]:
-    """One beam step over the candidates' rows ``[len(cands), vocab]``: records the finished
-    hypotheses in ``state`` and returns the candidates to run next, best first (none once done)."""
-    width, vocab = state.width, logprobs.shape[1]
-    cum = torch.tensor([c.cumulative_logprob for c in cands], dtype=torch.float32, device=logprobs.device)
-    scores = (logprobs + cum[:, None]).view(-1)
-    top, flat = scores.topk(min(max(2, 1 + len(state.eos)) * width, scores.numel()))
+def select(state: BeamState, cands: list[Sequence], top_rows: list[TopTokens]) -> list[Continuation]:
+    """One beam step over the candidates' best next tokens: records the finished hypotheses in
+    ``state`` and returns the candidates to run next, best first (none once done)."""
+    width = state.width
+    logprobs = torch.stack([r.logprobs for r in top_rows])
+    columns = logprobs.shape[1]
+    cum = torch.tensor([c.cumulative_logprob for c in cands], dtype=torch.float32)
+    scores = (logprobs + cum[:, None]).view(-1)  # fp32 sums, as transformers adds them
+    top, flat = scores.topk(min(state.num_kept, scores.numel()))
     length = cands[0].num_output_tokens + 1  # every candidate has as many tokens
     normalized = (top / length ** state.length_penalty).tolist()
     at_limit = length >= state.max_new_tokens
     running, finished = [], []
     for rank, (value, index, norm) in enumerate(zip(top.tolist(), flat.tolist(), normalized)):
-        parent, token = divmod(index, vocab)
+        parent, column = divmod(index, columns)
+        token = int(top_rows[parent].token_ids[column])
         if at_limit or token in state.eos:
             if rank < width:  # only the top width pairs may finish (the rest are spares for running)
                 tokens = cands[parent].output_token_ids + [token]

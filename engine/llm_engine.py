@@ -110,8 +110,8 @@ class LLMEngine:
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
         samples, beams = out.samples(), out.beam_samples()
-        beam_logprobs = beam_search.logprob_rows(logits, beams) if beams else None
-        groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_logprobs)
+        beam_tokens = beam_search.top_tokens(logits, beams) if beams else None
+        groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
         return [self._step_output(g, now) for g in groups]
 
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:

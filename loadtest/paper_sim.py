@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.beam_search import TopTokens
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
@@ -163,7 +164,10 @@ class Simulation:
         self.now += self.step_time_s
         tokens = [self._rng.randrange(32000) for _ in out.samples()]
         beams = len(out.beam_samples())
-        rows = torch.randn(beams, BEAM_VOCAB, generator=self._beam_rng).log_softmax(-1) if beams else None
+        rows = None
+        if beams:
+            logprobs = torch.randn(beams, BEAM_VOCAB, generator=self._beam_rng).log_softmax(-1)
+            rows = TopTokens.of(logprobs, max(s.group.beam.num_kept for _, s in out.beam_samples()))
         for group in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens)), rows):
             if group.is_finished:
                 self._finished(group)

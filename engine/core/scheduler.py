@@ -30,8 +30,6 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-import torch
-
 from engine import beam_search
 from engine.baselines import ContiguousKVCacheManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
@@ -150,9 +148,9 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput,
-                           beam_logprobs: torch.Tensor | None = None) -> list[SequenceGroup]:
-        """After the forward pass of ``out``, with one sampled token per ``out.samples()`` and one
-        log-prob row per ``out.beam_samples()``: record the K/V, fork the n > 1 groups whose prompt is
+                           beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
+        """After the forward pass of ``out``, with one sampled token per ``out.samples()`` and the best
+        next tokens of each ``out.beam_samples()`` row (``beam_search.top_tokens``): record the K/V, fork the n > 1 groups whose prompt is
         in, append the tokens, finish (and free) the sequences that stop, advance the beam searches.
         Returns the groups that got tokens (beam searches: once they are over), in schedule order."""
         self._mark_computed(out)
@@ -164,16 +162,18 @@ class Scheduler:
                 groups[s.group] = None
         self.num_generated_tokens += len(sampled.token_ids)
         if out.beam_samples():
-            self._record_beams(out.beam_samples(), beam_logprobs, groups)
+            self._record_beams(out.beam_samples(), beam_tokens, groups)
         return list(groups)
 
-    def _record_beams(self, samples: list[tuple[int, ScheduledSeq]], logprobs: torch.Tensor,
+    def _record_beams(self, samples: list[tuple[int, ScheduledSeq]], tokens: beam_search.TopTokens,
                       groups: dict[SequenceGroup, None]) -> None:
-        """Keep each candidate's row; a search whose candidates all have theirs takes its step."""
+        """Keep each candidate's best tokens; a search whose candidates all have theirs takes its step."""
+        if len(samples) != len(tokens.logprobs):
+            raise ValueError(f"{len(samples)} beam candidates sampled, {len(tokens.logprobs)} rows of tokens")
         touched: dict[SequenceGroup, None] = {}
-        for (_, s), row in zip(samples, logprobs, strict=True):
+        for i, (_, s) in enumerate(samples):
             if s.seq.status is RUNNING:
-                s.group.beam.pending[s.seq.seq_id] = row
+                s.group.beam.pending[s.seq.seq_id] = tokens.row(i)
                 touched[s.group] = None
         for group in touched:
             if all(seq.seq_id in group.beam.pending for seq in group.seqs):
@@ -183,8 +183,7 @@ class Scheduler:
 
     def _beam_step(self, group: SequenceGroup) -> None:
         state, cands = group.beam, group.seqs
-        rows = torch.stack([state.pending.pop(seq.seq_id) for seq in cands])
-        running = beam_search.select(state, cands, rows)
+        running = beam_search.select(state, cands, [state.pending.pop(seq.seq_id) for seq in cands])
         self.num_generated_tokens += len(cands)
         if state.done:
             self._finish_beam(group)
