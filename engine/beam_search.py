@@ -1,4 +1,4 @@
-"""Beam search on the shared block tree (the paper's §4.4; docs/architecture.md §3.5).
+"""Beam search on the shared block tree (the paper's §4.4; docs/architecture.md §3.9).
 
 A beam request is one ``SequenceGroup`` whose live sequences are its candidates
 (at most ``beam_width``). Once every candidate has a next-token log-prob row,
