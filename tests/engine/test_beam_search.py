@@ -159,3 +159,20 @@ def test_block_tree_and_abort(beam_checkpoint):
     assert forked  # candidates did share blocks
     assert not engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
     assert all(s.status is not SequenceStatus.RUNNING for g in sched._groups.values() for s in g.seqs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=3, best_of=2, use_beam_search=True), "n .3. must be <= best_of"),
+    (dict(n=1, best_of=2), "best_of different from n needs use_beam_search"),
+    (dict(use_beam_search=True, top_k=5), "top_k is not supported with use_beam_search"),
+    (dict(use_beam_search=True, early_stopping="sometimes"), "early_stopping must be one of"),
+])
+def test_invalid_beam_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_beam_search_params_map_onto_sampling_params():
+    p = BeamSearchParams(3, 7, length_penalty=0.5, early_stopping="never").to_sampling_params()
+    assert (p.use_beam_search, p.beam_width, p.n, p.max_tokens, p.length_penalty, p.early_stopping, p.greedy) == \
+        (True, 3, 3, 7, 0.5, "never", True)
