@@ -61,6 +61,7 @@ TARGETS = {"waste_max": 0.04, "batch_vs_oracle": 2.2, "batch_vs_max": 4.3, "rate
            # the sustained rate over Orca (Oracle) at width 6.
            "beam_alpaca": 0.376, "beam_sharegpt": 0.443, "beam6_rate_vs_oracle": 2.3}
 BEAM_WIDTHS = (2, 4, 6)
+BEAM_MAX_NUM_SEQS = 4096
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,9 +87,9 @@ KV_BYTES_PER_TOKEN = demo_model.LAYERS * 2 * demo_model.KV_HEADS * (demo_model.H
 
 
 def sim_config(allocator: str, num_blocks: int, caching: bool = False,
-               max_model_len: int = MAX_MODEL_LEN) -> EngineConfig:
+               max_model_len: int = MAX_MODEL_LEN, max_num_seqs: int = 256) -> EngineConfig:
     return EngineConfig(kv_allocator=allocator, num_device_blocks=num_blocks, max_model_len=max_model_len,
-                        max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=caching)
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, enable_prefix_caching=caching)
 
 
 # -- 1. real engine: step time and validation ---------------------------------
@@ -200,14 +201,18 @@ def block_sharing(scale: Scale, step: float, kind: str) -> dict:
 
 def beam_rates(scale: Scale, step: float) -> dict:
     """(f): saturated rate of beam search, paged (shared block tree) vs Orca (Oracle) (a contiguous
-    run per beam), on the Alpaca-like trace as in the paper; width 1 is plain greedy decoding."""
+    run per beam), on the Alpaca-like trace as in the paper; width 1 is plain greedy decoding. Both
+    may run BEAM_MAX_NUM_SEQS sequences, so memory, not the seat cap, bounds them (at 256 seats paged
+    would be seat-bound on Alpaca-like requests at every width)."""
     rows = {}
     count = scale.requests["alpaca"]
     for width in (1, *BEAM_WIDTHS):
         trace = make_trace("alpaca", count, INF, beam_width=width if width > 1 else 0)
-        paged = simulate(sim_config("paged", scale.num_blocks, caching=True), trace, step)
+        paged_config = sim_config("paged", scale.num_blocks, caching=True, max_num_seqs=BEAM_MAX_NUM_SEQS)
+        paged = simulate(paged_config, trace, step)
         apart = [replace(r, beam_width=0) for r in trace for _ in range(width)]
-        oracle = simulate(sim_config("contiguous-oracle", scale.num_blocks), apart, step)
+        oracle = simulate(sim_config("contiguous-oracle", scale.num_blocks, max_num_seqs=BEAM_MAX_NUM_SEQS),
+                          apart, step)
         rows[width] = {"paged_rps": paged.sustained_rps, "oracle_rps": oracle.sustained_rps / width,
                        "ratio": paged.sustained_rps * width / oracle.sustained_rps,
                        "paged_batch": paged.mean_batch, "oracle_batch": oracle.mean_batch / width}
