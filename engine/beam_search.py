@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.kv_allocator import KVAllocator
+from engine.core.scheduler_output import ScheduledSeq
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
@@ -93,7 +94,7 @@ class TopTokens:
         return TopTokens(self.logprobs[i], self.token_ids[i])
 
 
-def top_tokens(logits: torch.Tensor, samples: list) -> TopTokens:
+def top_tokens(logits: torch.Tensor, samples: list[tuple[int, ScheduledSeq]]) -> TopTokens:
     """The best next tokens of the beam candidates' logits rows (``(row, ScheduledSeq)`` pairs): fp32
     log-softmax (of the logits divided by the request's temperature when it is above greedy), as many
     per row as its request keeps per step."""
@@ -149,7 +150,8 @@ def _update_done(state: BeamState, running: list[Continuation], length: int) -> 
     state.done = not running or not state.improvable or (state.full and state.early_stopping is True)
 
 
-def advance(kv: KVAllocator, cands: list[Sequence], running: list[Continuation]) -> tuple[list[Sequence], list[Sequence]]:
+def advance(kv: KVAllocator, cands: list[Sequence],
+            running: list[Continuation]) -> tuple[list[Sequence], list[Sequence]]:
     """The next candidates (``running``'s order) and the dropped ones, whose blocks the caller frees.
     Call between steps, once the candidates' K/V is computed (forks share it)."""
     kept: set[int] = set()

@@ -50,7 +50,8 @@ class LLM:
     def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search per prompt (text or token ids): the beam_width best hypotheses, best first."""
-        token_lists = [self._prompts(p, None)[0][0] if isinstance(p, str) else list(p) for p in prompts]
+        token_lists = [self._prompts(p, None)[0][0] if isinstance(p, str) else list(p)  # tokenize text
+                       for p in prompts]
         if not token_lists:
             return []
         results = self.generate(sampling_params=params.to_sampling_params(), prompt_token_ids=token_lists,

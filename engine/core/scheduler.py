@@ -150,9 +150,10 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput,
                            beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
         """After the forward pass of ``out``, with one sampled token per ``out.samples()`` and the best
-        next tokens of each ``out.beam_samples()`` row (``beam_search.top_tokens``): record the K/V, fork the n > 1 groups whose prompt is
-        in, append the tokens, finish (and free) the sequences that stop, advance the beam searches.
-        Returns the groups that got tokens (beam searches: once they are over), in schedule order."""
+        next tokens of each ``out.beam_samples()`` row (``beam_search.top_tokens``): record the K/V,
+        fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the sequences
+        that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
+        it is over), in schedule order."""
         self._mark_computed(out)
         groups: dict[SequenceGroup, None] = {}  # an ordered set
         for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):

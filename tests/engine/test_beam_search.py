@@ -50,7 +50,8 @@ def hf_beams(model, prompt: list[int], width: int, eos: int | None, length_penal
                          length_penalty=length_penalty, early_stopping=early_stopping,
                          return_dict_in_generate=True, output_scores=True)
     lengths = (out.beam_indices >= 0).sum(-1).tolist()
-    return [(out.sequences[i, len(prompt):len(prompt) + n].tolist(), out.sequences_scores[i].item() * n ** length_penalty)
+    scores = out.sequences_scores.tolist()  # cumulative / length ** length_penalty
+    return [(out.sequences[i, len(prompt):len(prompt) + n].tolist(), scores[i] * n ** length_penalty)
             for i, n in enumerate(lengths)]
 
 
