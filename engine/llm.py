@@ -8,8 +8,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import BeamSearchOutput, BeamSequence, CompletionOutput, RequestOutput
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -46,6 +46,18 @@ class LLM:
             result.prompt = text
             self._decode(result)
         return results
+
+    def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search per prompt (text or token ids): the beam_width best hypotheses, best first."""
+        token_lists = [self._prompts(p, None)[0][0] if isinstance(p, str) else list(p)  # tokenize text
+                       for p in prompts]
+        if not token_lists:
+            return []
+        results = self.generate(sampling_params=params.to_sampling_params(), prompt_token_ids=token_lists,
+                                use_tqdm=use_tqdm)
+        return [BeamSearchOutput([BeamSequence(c.token_ids, c.text, c.cumulative_logprob) for c in r.outputs])
+                for r in results]
 
     def _prompts(self, prompts: str | list[str] | None, prompt_token_ids: list[list[int]] | None
                  ) -> tuple[list[list[int]], list[str | None]]:

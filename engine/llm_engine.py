@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 import cuda_ext
+from engine import beam_search
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -108,8 +109,9 @@ class LLMEngine:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
-        samples = out.samples()
-        groups = self.scheduler.update_from_output(out, self._sample(samples, logits))
+        samples, beams = out.samples(), out.beam_samples()
+        beam_tokens = beam_search.top_tokens(logits, beams) if beams else None
+        groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
         return [self._step_output(g, now) for g in groups]
 
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:
@@ -159,7 +161,7 @@ class LLMEngine:
         return CompletionOutput(
             index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
             logprobs=seq.logprobs[start:] if wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
             finish_reason=seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------

@@ -42,3 +42,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSequence:
+    """One hypothesis of ``LLM.beam_search``: its generated tokens (eos included when it stopped on one)."""
+
+    token_ids: list[int]
+    text: str = ""
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSequence]  # best first (by length-penalised score)

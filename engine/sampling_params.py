@@ -29,6 +29,11 @@ class SamplingParams:
     stop_token_ids: list[int] = spec([], low=0, max_items=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = spec(None, low=0, high=MAX_LOGPROBS)  # top alternatives per token; 0: none
+    # Beam search (vLLM's former API): best_of (default n) candidates, the n best hypotheses returned.
+    use_beam_search: bool = False
+    best_of: int | None = spec(None, low=1)
+    length_penalty: float = spec(1.0)  # a hypothesis scores cumulative logprob / length ** length_penalty
+    early_stopping: bool | str = spec(False, choices=(True, False, "never"))  # transformers' semantics
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -37,7 +42,52 @@ class SamplingParams:
         check_fields(self)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of not in (None, self.n):
+            raise ValueError("best_of different from n needs use_beam_search")
+
+    def _check_beam_search(self) -> None:
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must be <= best_of, the beam width ({self.beam_width})")
+        # The beam step scores raw log-probabilities (divided by the temperature): no sampling filter applies.
+        unsupported = [name for name, value, default in (
+            ("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0),
+            ("presence_penalty", self.presence_penalty, 0.0), ("frequency_penalty", self.frequency_penalty, 0.0),
+            ("repetition_penalty", self.repetition_penalty, 1.0), ("min_tokens", self.min_tokens, 0),
+            ("logprobs", self.logprobs, None)) if value != default]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported with use_beam_search")
+
+    @property
+    def beam_width(self) -> int:
+        """Live candidates of a beam search (best_of, default n); 1 without beam search."""
+        return (self.best_of or self.n) if self.use_beam_search else 1
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once: its n samples or its beam candidates."""
+        return self.beam_width if self.use_beam_search else self.n
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Offline beam search (``LLM.beam_search``, vLLM-shaped): every one of the ``beam_width``
+    best hypotheses is returned, with transformers' ``length_penalty`` / ``early_stopping``."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    temperature: float = 0.0
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The request the engine runs (validated there)."""
+        return SamplingParams(n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens,
+                              length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                              ignore_eos=self.ignore_eos, temperature=self.temperature)

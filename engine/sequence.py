@@ -4,9 +4,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -86,7 +90,8 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
-    """One request: its n sequences share the prompt (and its blocks)."""
+    """One request: its n sequences share the prompt (and its blocks). A beam search's
+    sequences are its live candidates, then, once it is over, its best hypotheses."""
 
     request_id: str
     seqs: list[Sequence]
@@ -96,6 +101,7 @@ class SequenceGroup:
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)
+    beam: BeamState | None = None  # the search's state when params.use_beam_search (set by the scheduler)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

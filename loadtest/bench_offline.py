@@ -236,6 +236,7 @@ def main() -> None:
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--beam-width", type=int, default=0, help="also run loadtest.bench_beam at this width")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -245,6 +246,10 @@ def main() -> None:
     for name in args.models.split(","):
         run_model(name, args, results)
     summary = summarize(results)
+    if args.beam_width:  # beam search vs transformers' beam search, same prompts (loadtest/bench_beam.py)
+        from loadtest.bench_beam import bench_beam
+        summary += [bench_beam(m, args.beam_width, args.num_requests, args.threads, args.backend, args.seed)
+                    for m in args.models.split(",")]
     print(json.dumps(summary, indent=2))
     if args.json:
         with open(args.json, "w") as f:

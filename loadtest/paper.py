@@ -17,7 +17,8 @@ for every allocator: ``paged`` and the paper's Orca baselines
    step time does not grow with the batch, like a memory-bound GPU decode).
    (a) KV memory breakdown, (b) batched requests, (c) normalized latency vs
    Poisson request rate and the highest sustained rate, (d) shared-prefix
-   throughput with vs without prefix caching, (e) parallel-sampling savings.
+   throughput with vs without prefix caching, (e) parallel-sampling and
+   beam-search savings, (f) beam search's sustained rate against Orca (Oracle).
 
 Definitions. A *saturated* run puts every request at t=0; its figures are
 averaged over the steps at which requests wait (the KV pool is the binding
@@ -29,7 +30,12 @@ above it the queue grows without bound, which is where the Poisson latency
 curves of (c) turn up. Normalized latency: mean over requests of end-to-end
 latency / output tokens. Parallel-sampling saving: 1 - used blocks / the
 blocks the same block tables would take unshared, over all steps of a Poisson
-run at half the saturated rate (also reported when saturated).
+run at half the saturated rate (also reported when saturated); beam search
+the same, its candidates drawing from random distributions (``paper_sim``).
+Beam search on the contiguous baselines: they cannot share, so each of a
+request's W beams is its own contiguous sequence (W independent requests of the
+same lengths, one completion per W; forking copies are not charged, which
+favours the baseline).
 """
 from __future__ import annotations
 
@@ -50,7 +56,12 @@ WORKLOADS = ("sharegpt", "alpaca")
 INF = float("inf")
 # Paper targets (OPT-13B, ShareGPT): concurrency and sustained-rate ratios of paged over each baseline.
 TARGETS = {"waste_max": 0.04, "batch_vs_oracle": 2.2, "batch_vs_max": 4.3, "rate_vs_oracle": 1.7,
-           "rate_vs_max": 2.7, "prefix_5shot": 3.0, "sampling_alpaca": 0.061, "sampling_sharegpt": 0.162}
+           "rate_vs_max": 2.7, "prefix_5shot": 3.0, "sampling_alpaca": 0.061, "sampling_sharegpt": 0.162,
+           # beam search (paper Figs. 14-15: widths 2-6, OPT-13B): the smallest saving of the widths, and
+           # the sustained rate over Orca (Oracle) at width 6.
+           "beam_alpaca": 0.376, "beam_sharegpt": 0.443, "beam6_rate_vs_oracle": 2.3}
+BEAM_WIDTHS = (2, 4, 6)
+BEAM_MAX_NUM_SEQS = 4096
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,9 +87,9 @@ KV_BYTES_PER_TOKEN = demo_model.LAYERS * 2 * demo_model.KV_HEADS * (demo_model.H
 
 
 def sim_config(allocator: str, num_blocks: int, caching: bool = False,
-               max_model_len: int = MAX_MODEL_LEN) -> EngineConfig:
+               max_model_len: int = MAX_MODEL_LEN, max_num_seqs: int = 256) -> EngineConfig:
     return EngineConfig(kv_allocator=allocator, num_device_blocks=num_blocks, max_model_len=max_model_len,
-                        max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=caching)
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, enable_prefix_caching=caching)
 
 
 # -- 1. real engine: step time and validation ---------------------------------
@@ -169,27 +180,50 @@ def prefix_sharing(scale: Scale, step: float) -> dict:
     return rows
 
 
-def parallel_sampling(scale: Scale, step: float) -> dict:
-    """(e): n samples per request share the prompt's blocks; share of blocks saved, at
-    half the saturated rate (at saturation, recompute preemption keeps undoing the sharing)."""
+def block_sharing(scale: Scale, step: float, kind: str) -> dict:
+    """(e): the n samples of a request share the prompt's blocks (``kind`` "n"), a beam search's
+    candidates their whole common ancestry ("beam_width"); share of blocks saved, at half the
+    saturated rate (at saturation, recompute preemption keeps undoing the sharing)."""
     rows = {}
     for workload in WORKLOADS:
         for n in (2, 4, 6):
             # Prefix caching on (the engine's default) so a recomputed group re-shares its prompt.
             config = sim_config("paged", scale.num_blocks, caching=True)
-            burst = make_trace(workload, scale.sampling_requests, INF, n=n)
+            burst = make_trace(workload, scale.sampling_requests, INF, **{kind: n})
             full = simulate(config, burst, step, track_sharing=True)
-            trace = make_trace(workload, scale.sampling_requests, full.sustained_rps / 2, n=n)
+            trace = make_trace(workload, scale.sampling_requests, full.sustained_rps / 2, **{kind: n})
             half = simulate(config, trace, step, track_sharing=True)
-            rows[f"{workload}/n={n}"] = {"workload": workload, "n": n, "saving": half.sharing_saving,
-                                         "saving_saturated": full.sharing_saving, "rate_rps": full.sustained_rps / 2}
+            rows[f"{workload}/{kind}={n}"] = {"workload": workload, "n": n, "saving": half.sharing_saving,
+                                              "saving_saturated": full.sharing_saving,
+                                              "rate_rps": full.sustained_rps / 2}
+    return rows
+
+
+def beam_rates(scale: Scale, step: float) -> dict:
+    """(f): saturated rate of beam search, paged (shared block tree) vs Orca (Oracle) (a contiguous
+    run per beam), on the Alpaca-like trace as in the paper; width 1 is plain greedy decoding. Both
+    may run BEAM_MAX_NUM_SEQS sequences, so memory, not the seat cap, bounds them (at 256 seats paged
+    would be seat-bound on Alpaca-like requests at every width)."""
+    rows = {}
+    count = scale.requests["alpaca"]
+    for width in (1, *BEAM_WIDTHS):
+        trace = make_trace("alpaca", count, INF, beam_width=width if width > 1 else 0)
+        paged_config = sim_config("paged", scale.num_blocks, caching=True, max_num_seqs=BEAM_MAX_NUM_SEQS)
+        paged = simulate(paged_config, trace, step)
+        apart = [replace(r, beam_width=0) for r in trace for _ in range(width)]
+        oracle = simulate(sim_config("contiguous-oracle", scale.num_blocks, max_num_seqs=BEAM_MAX_NUM_SEQS),
+                          apart, step)
+        rows[width] = {"paged_rps": paged.sustained_rps, "oracle_rps": oracle.sustained_rps / width,
+                       "ratio": paged.sustained_rps * width / oracle.sustained_rps,
+                       "paged_batch": paged.mean_batch, "oracle_batch": oracle.mean_batch / width}
     return rows
 
 
 # -- report ------------------------------------------------------------------
-def summarize(sat: dict, prefix: dict, sampling: dict) -> dict:
+def summarize(sat: dict, prefix: dict, sampling: dict, beam: dict, rates: dict) -> dict:
     share = sat["sharegpt"]
     saving = {w: [r["saving"] for r in sampling.values() if r["workload"] == w] for w in WORKLOADS}
+    beam_saving = {w: [r["saving"] for r in beam.values() if r["workload"] == w] for w in WORKLOADS}
     got = {
         "waste_max": 1 - share["paged"].breakdown["stored"],
         "batch_vs_oracle": share["paged"].mean_batch / share["contiguous-oracle"].mean_batch,
@@ -198,6 +232,8 @@ def summarize(sat: dict, prefix: dict, sampling: dict) -> dict:
         "rate_vs_max": share["paged"].sustained_rps / share["contiguous-max"].sustained_rps,
         "prefix_5shot": prefix["5-shot"]["speedup"],
         "sampling_alpaca": min(saving["alpaca"]), "sampling_sharegpt": min(saving["sharegpt"]),
+        "beam_alpaca": min(beam_saving["alpaca"]), "beam_sharegpt": min(beam_saving["sharegpt"]),
+        "beam6_rate_vs_oracle": rates[6]["ratio"],
     }
     return {k: {"measured": v, "target": TARGETS[k],
                 "met": v < TARGETS[k] if k == "waste_max" else v >= TARGETS[k]} for k, v in got.items()}
@@ -217,13 +253,19 @@ def table(sat: dict) -> str:
     return "\n".join(lines)
 
 
-def print_report(sat: dict, prefix: dict, sampling: dict, targets: dict) -> None:
+def print_report(sat: dict, prefix: dict, sampling: dict, beam: dict, rates: dict, targets: dict) -> None:
     print(table(sat))
     for shot, row in prefix.items():
         print(f"prefix {shot} ({row['prefix_len']} tokens): {row['speedup']:.2f}x throughput with prefix caching")
     for key, row in sampling.items():
         print(f"parallel sampling {key}: {row['saving']:.1%} of blocks saved at {row['rate_rps']:.3g} req/s "
               f"({row['saving_saturated']:.1%} when saturated)")
+    for key, row in beam.items():
+        print(f"beam search {key}: {row['saving']:.1%} of blocks saved at {row['rate_rps']:.3g} req/s "
+              f"({row['saving_saturated']:.1%} when saturated)")
+    for width, row in rates.items():
+        print(f"beam width {width} (alpaca, saturated): paged {row['paged_rps']:.3g} req/s, Orca (Oracle) "
+              f"{row['oracle_rps']:.3g} req/s: {row['ratio']:.2f}x")
     for key, row in targets.items():
         verdict = "met" if row["met"] else "NOT met"
         print(f"target {key}: measured {row['measured']:.3f}, paper {row['target']}, {verdict}")
@@ -238,9 +280,11 @@ def run(scale: Scale) -> dict:
     sat = saturated(scale, step)
     curves = latency_curves(scale, step, sat)
     prefix = prefix_sharing(scale, step)
-    sampling = parallel_sampling(scale, step)
-    targets = summarize(sat, prefix, sampling)
-    print_report(sat, prefix, sampling, targets)
+    sampling = block_sharing(scale, step, "n")
+    beam = block_sharing(scale, step, "beam_width")
+    rates = beam_rates(scale, step)
+    targets = summarize(sat, prefix, sampling, beam, rates)
+    print_report(sat, prefix, sampling, beam, rates, targets)
     return {
         "simulated_time": True, "step_time_s": step, "scale": asdict(scale), "max_model_len": MAX_MODEL_LEN,
         "block_size": 16, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
@@ -249,7 +293,8 @@ def run(scale: Scale) -> dict:
         "validation": validation,
         "saturated": {w: {a: asdict(r) | {"sustained_rps": r.sustained_rps} for a, r in rows.items()}
                       for w, rows in sat.items()},
-        "latency_curves": curves, "prefix": prefix, "sampling": sampling, "targets": targets,
+        "latency_curves": curves, "prefix": prefix, "sampling": sampling,
+        "beam_search": beam, "beam_rates": rates, "targets": targets,
     }
 
 

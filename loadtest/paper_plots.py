@@ -99,21 +99,54 @@ def plot_prefix(report: dict, folder: Path) -> None:
     _save(fig, folder, "fig16_shared_prefix.png")
 
 
-def plot_sampling(report: dict, folder: Path) -> None:
-    """Fig. 15: share of KV blocks saved by sharing, parallel sampling."""
-    rows = list(report["sampling"].values())
+def _plot_saving(rows: list[dict], folder: Path, name: str, title: str, xlabel: str) -> None:
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.2), sharey=True)
     for ax, workload in zip(axes, workloads):
         mine = [r for r in rows if r["workload"] == workload]
         ax.bar([str(r["n"]) for r in mine], [100 * r["saving"] for r in mine], color="#1f5fa8")
-        ax.set_xlabel("# output sequences (n)")
-        ax.set_title(f"Parallel sampling, {workload}-like")
+        for i, r in enumerate(mine):
+            ax.text(i, 100 * r["saving"], f"{r['saving']:.1%}", ha="center", va="bottom", fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{title}, {workload}-like")
     axes[0].set_ylabel("Memory saving (%)")
-    _save(fig, folder, "fig15_parallel_sampling.png")
+    _save(fig, folder, name)
+
+
+def plot_sampling(report: dict, folder: Path) -> None:
+    """Fig. 15 (left): share of KV blocks saved by sharing, parallel sampling."""
+    _plot_saving(list(report["sampling"].values()), folder, "fig15_parallel_sampling.png", "Parallel sampling",
+                 "# output sequences (n)")
+
+
+def plot_beam_saving(report: dict, folder: Path) -> None:
+    """Fig. 15 (right): share of KV blocks saved by sharing, beam search."""
+    _plot_saving(list(report["beam_search"].values()), folder, "fig15_beam_search.png", "Beam search",
+                 "beam width")
+
+
+def plot_beam_rates(report: dict, folder: Path) -> None:
+    """Fig. 14's claim as bars: sustained beam-search rate, paged vs Orca (Oracle), by beam width."""
+    rows = report["beam_rates"]
+    widths = list(rows)
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    x = range(len(widths))
+    ax.bar([i - 0.2 for i in x], [rows[w]["oracle_rps"] for w in widths], 0.4, label=LABELS["contiguous-oracle"],
+           color=COLORS["contiguous-oracle"])
+    ax.bar([i + 0.2 for i in x], [rows[w]["paged_rps"] for w in widths], 0.4, label=LABELS["paged"],
+           color=COLORS["paged"])
+    for i, w in enumerate(widths):
+        ax.text(i + 0.2, rows[w]["paged_rps"], f"{rows[w]['ratio']:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), [f"{w}" if int(w) > 1 else "1 (greedy)" for w in widths])
+    ax.set_xlabel("beam width (Alpaca-like)")
+    ax.set_ylabel("Sustained rate (req/s, simulated)")
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8)
+    _save(fig, folder, "fig14_beam_search_rate.png")
 
 
 def write_plots(report: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for plot in (plot_breakdown, plot_batching, plot_latency, plot_prefix, plot_sampling):
+    for plot in (plot_breakdown, plot_batching, plot_latency, plot_prefix, plot_sampling, plot_beam_saving,
+                 plot_beam_rates):
         plot(report, folder)

@@ -7,7 +7,10 @@ Only the forward pass and the sampler are replaced: each step costs a fixed
 tokens, which go through the engine's own post-step
 (``Scheduler.update_from_output``: forks, stops, frees), so a memory-bound
 serving run of thousands of requests takes seconds. Requests use
-``ignore_eos`` semantics: each generates exactly ``max_tokens`` tokens.
+``ignore_eos`` semantics: each generates exactly ``max_tokens`` tokens. A beam
+search request gets random next-token distributions (``BEAM_VOCAB`` tokens,
+standard-normal logits) for its candidates, and the engine's own beam step
+forks and frees them on the real block tables.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.beam_search import TopTokens
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
@@ -29,6 +35,10 @@ class TraceRequest:
     prompt: list[int]
     max_tokens: int  # the true output length (ignore_eos)
     n: int = 1
+    beam_width: int = 0  # > 0: a beam search of this width (returning its best hypothesis)
+
+
+BEAM_VOCAB = 64  # tokens of the random distributions a beam search's candidates draw from
 
 
 @dataclass(slots=True)
@@ -112,6 +122,7 @@ class Simulation:
         self.now = 0.0
         self.meter = MemoryMeter(track_sharing=track_sharing)
         self._rng = random.Random(seed)
+        self._beam_rng = torch.Generator().manual_seed(seed)
         self._latencies: list[float] = []
         self._output_tokens = 0
         self._failed = 0
@@ -140,6 +151,9 @@ class Simulation:
         while self.pending and self.pending[0].arrival <= self.now:
             r = self.pending.popleft()
             params = SamplingParams(n=r.n, max_tokens=r.max_tokens, ignore_eos=True)
+            if r.beam_width:
+                params = SamplingParams(best_of=r.beam_width, use_beam_search=True, temperature=0.0,
+                                        max_tokens=r.max_tokens, ignore_eos=True)
             seq = Sequence(list(r.prompt), len(r.prompt))
             self.sched.add_group(SequenceGroup(f"r{seq.seq_id}", [seq], params, r.arrival))
 
@@ -149,7 +163,12 @@ class Simulation:
         self._saturated = self.meter.observe(self.sched)
         self.now += self.step_time_s
         tokens = [self._rng.randrange(32000) for _ in out.samples()]
-        for group in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens))):
+        beams = len(out.beam_samples())
+        rows = None
+        if beams:
+            logprobs = torch.randn(beams, BEAM_VOCAB, generator=self._beam_rng).log_softmax(-1)
+            rows = TopTokens.of(logprobs, max(s.group.beam.num_kept for _, s in out.beam_samples()))
+        for group in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens)), rows):
             if group.is_finished:
                 self._finished(group)
 

@@ -35,15 +35,15 @@ def _arrivals(count: int, rate: float, seed: int) -> list[float]:
 
 
 def make_trace(workload: str, count: int, rate: float, seed: int = 0, n: int = 1,
-               prefix_len: int = 0) -> list[TraceRequest]:
+               prefix_len: int = 0, beam_width: int = 0) -> list[TraceRequest]:
     """``count`` requests of ``workload`` ("sharegpt", "alpaca" or "translation",
-    the latter after a common ``prefix_len``-token few-shot prefix)."""
+    the latter after a common ``prefix_len``-token few-shot prefix), beam searches when ``beam_width``."""
     rng = random.Random(seed)
     (im, isg, icap), (om, osg, ocap) = TRANSLATION if workload == "translation" else WORKLOADS[workload]
     inputs = lognormal_lengths(rng, count, im, isg, icap)
     outputs = lognormal_lengths(rng, count, om, osg, ocap)
     prefix = _tokens(rng, prefix_len)
-    return [TraceRequest(t, prefix + _tokens(rng, i), o, n)
+    return [TraceRequest(t, prefix + _tokens(rng, i), o, n, beam_width)
             for t, i, o in zip(_arrivals(count, rate, seed), inputs, outputs)]
 
 

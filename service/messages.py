@@ -15,7 +15,9 @@ import msgpack
 from engine.outputs import TokenLogprobs
 from engine.stats import EngineStats
 
-SCHEMA_VERSION = 3  # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model
+# 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
+# beam search (use_beam_search, best_of, length_penalty, early_stopping)
+SCHEMA_VERSION = 4
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document served at /openapi.json (the routes and their
 main fields; the full field semantics are OpenAI's, as read by vLLM). The
 sampling fields' types, bounds and defaults come from SamplingParams, the
-server's own caps (n, logprobs, stop strings) and the model name from the
+server's own caps (n and best_of, logprobs, stop strings) and the model name from the
 gateway's config, so a fuzzer driven by the document sends what the server takes."""
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
 _MAX_TOKENS = _param(_PARAMS["max_tokens"], with_default=False)  # chat's default is "up to the context"
 _SAMPLING = {
     **{name: _param(f) for name, f in _PARAMS.items() if name != "logprobs"}, "max_tokens": _MAX_TOKENS,
+    # transformers' values: a boolean or "never" (the one field whose type is not a single JSON type).
+    "early_stopping": {"oneOf": [{"type": "boolean"}, {"enum": ["never"]}], "default": False},
     "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
@@ -78,6 +80,7 @@ def _get_op(summary: str, content_type: str = "application/json") -> dict[str, A
 def _with_server_caps(properties: dict[str, Any], model_name: str, config: GatewayConfig) -> dict[str, Any]:
     """The request fields as this server takes them: its model, and its caps on top of SamplingParams'."""
     capped = {**properties, "model": {"enum": [model_name]}, "n": {**properties["n"], "maximum": config.max_n},
+              "best_of": {**properties["best_of"], "maximum": config.max_n},
               "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}, {
                   "type": "array", "maxItems": config.max_stop_strings,
                   "items": {"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}}]}}

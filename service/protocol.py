@@ -25,10 +25,11 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 # SamplingParams fields read by hand below (caps, aliases, chat's boolean logprobs); a body sets every
 # other one under its own name, with its type and default.
-_BY_HAND = {"n", "max_tokens", "logprobs", "stop_token_ids"}
+_BY_HAND = {"n", "max_tokens", "logprobs", "stop_token_ids", "early_stopping"}
+EARLY_STOPPING = (True, False, "never")  # transformers' values (a bool or a string on the wire)
 # Fields that exist in the OpenAI API and are read below; anything else is logged and ignored.
 _COMMON = set(_PARAMS) | {"model", "stream", "stream_options", "stop", "include_stop_str_in_output",
-                          "skip_special_tokens", "user", "best_of", "use_beam_search", "logit_bias", "cache_salt"}
+                          "skip_special_tokens", "user", "logit_bias", "cache_salt"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "tools", "tool_choice", "functions", "response_format"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
@@ -152,10 +153,13 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
     _check_cap("n", n, config.max_n)
     if logprobs is not None:
         _check_cap("top_logprobs" if chat else "logprobs", logprobs, config.max_logprobs)
-    best_of = _get(body, "best_of", int, None)
-    if best_of is not None and best_of != n:
-        raise APIError(400, "best_of different from n is not supported", param="best_of")
+    best_of = _read(body, _PARAMS["best_of"])
+    if best_of is not None:
+        _check_cap("best_of", best_of, config.max_n)
     stream = _get(body, "stream", bool, False)
+    if stream and _read(body, _PARAMS["use_beam_search"]):
+        raise APIError(400, "beam search returns its beams once it is over: it cannot be streamed "
+                            "(use_beam_search needs stream=false)", param="use_beam_search")
     return GenerationRequest(
         chat=chat, model=model, stream=stream, params=_sampling_params(body, n, max_tokens, logprobs),
         stop=_parse_stop(body.get("stop"), config),
@@ -176,12 +180,24 @@ def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logpr
     stop_ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    fields_read = {name: _read(body, f) for name, f in _PARAMS.items() if name not in _BY_HAND}
+    if fields_read["use_beam_search"] and "temperature" not in body:
+        fields_read["temperature"] = 0.0  # beam search scores the raw distribution unless asked otherwise
     try:
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=stop_ids,
-                              **{name: _read(body, f) for name, f in _PARAMS.items() if name not in _BY_HAND})
+                              early_stopping=_parse_early_stopping(body), **fields_read)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name if name in body else None) from exc
+
+
+def _parse_early_stopping(body: dict[str, Any]) -> bool | str:
+    value = body.get("early_stopping")
+    if value is None:
+        return False
+    if not any(value is v or (isinstance(value, str) and value == v) for v in EARLY_STOPPING):
+        raise APIError(400, "early_stopping must be true, false or \"never\"", param="early_stopping")
+    return value
 
 
 def _parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -241,8 +257,6 @@ def _parse_stream_options(options: Any, stream: bool) -> bool:
 def _reject_unsupported(body: dict[str, Any]) -> None:
     if body.get("logit_bias"):
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
-    if _get(body, "use_beam_search", bool, False):
-        raise APIError(400, "beam search is not supported by this server", param="use_beam_search")
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:

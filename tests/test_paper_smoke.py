@@ -25,8 +25,13 @@ def test_quick_reproduction_is_consistent(tmp_path):
         assert rows["contiguous-max"]["peak_batch"] == blocks // max_run
         assert rows["contiguous-max"]["breakdown"]["internal"] == 0.0
     assert all(row["saving"] > 0 for row in report["sampling"].values())
+    # A beam search's candidates share more than the prompt: at every width it saves more than n samples.
+    for key, row in report["beam_search"].items():
+        assert row["saving"] > report["sampling"][key.replace("beam_width", "n")]["saving"], key
+    assert all(row["ratio"] > 1 for row in report["beam_rates"].values())
     assert all(row["speedup"] > 1 for row in report["prefix"].values())
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert pngs == ["batched_requests.png", "fig12_normalized_latency.png", "fig15_parallel_sampling.png",
-                    "fig16_shared_prefix.png", "fig2_memory_breakdown.png"]
+    assert pngs == ["batched_requests.png", "fig12_normalized_latency.png", "fig14_beam_search_rate.png",
+                    "fig15_beam_search.png", "fig15_parallel_sampling.png", "fig16_shared_prefix.png",
+                    "fig2_memory_breakdown.png"]
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

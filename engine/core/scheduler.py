@@ -18,6 +18,10 @@ not immediately re-created.
 Recompute of a group with several (diverged) sequences: every sequence goes
 back to WAITING and re-prefills its own full token list; the group is
 admitted all-or-nothing and prefix caching dedupes the shared prompt blocks.
+A beam search (``engine/beam_search.py``) is one group of its live candidates,
+scheduled and preempted as one like the n samples; it advances once every
+candidate has a next-token distribution.
+
 After the forward pass, ``update_from_output`` is the one post-step.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
+from engine import beam_search
 from engine.baselines import ContiguousKVCacheManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
 from engine.core.kv_cache_manager import KVCacheManager
@@ -43,8 +48,8 @@ SWAPPED = SequenceStatus.SWAPPED
 
 
 def _pending_forks(group: SequenceGroup) -> int:
-    """Sequences a group of n samples has yet to fork (forks follow the prompt)."""
-    return group.params.n - len(group.seqs)
+    """Sequences a group of n samples (or beam candidates) has yet to fork (forks follow the prompt)."""
+    return group.params.num_seqs - len(group.seqs)
 
 
 def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
@@ -87,9 +92,12 @@ class Scheduler:
             raise ValueError("a new group must hold exactly one WAITING sequence")
         if not group.seqs[0].token_ids:
             raise ValueError("the prompt must contain at least one token")
-        if group.params.n > 1 and self.config.kv_allocator != "paged":
-            raise ValueError(f"parallel sampling (n={group.params.n}) shares KV blocks: it needs "
-                             f"kv_allocator='paged', not {self.config.kv_allocator!r}")
+        if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
+            raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
+                             f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
+        if group.params.use_beam_search:
+            group.beam = beam_search.BeamState.for_request(
+                group.params, group.seqs[0].num_prompt_tokens, self.eos_token_ids, self.config.max_model_len)
         self._groups[group.request_id] = group
         self.waiting.append(group)
         self.num_prompt_tokens += len(group.seqs[0].token_ids)
@@ -139,10 +147,13 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceGroup]:
-        """After the forward pass of ``out``, with one sampled token per ``out.samples()``: record the
-        K/V, fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the
-        sequences that stop. Returns the groups that got tokens, in schedule order."""
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput,
+                           beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
+        """After the forward pass of ``out``, with one sampled token per ``out.samples()`` and the best
+        next tokens of each ``out.beam_samples()`` row (``beam_search.top_tokens``): record the K/V,
+        fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the sequences
+        that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
+        it is over), in schedule order."""
         self._mark_computed(out)
         groups: dict[SequenceGroup, None] = {}  # an ordered set
         for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
@@ -151,7 +162,49 @@ class Scheduler:
                 self._check_stop(s.group, seq, token)
                 groups[s.group] = None
         self.num_generated_tokens += len(sampled.token_ids)
+        if out.beam_samples():
+            self._record_beams(out.beam_samples(), beam_tokens, groups)
         return list(groups)
+
+    def _record_beams(self, samples: list[tuple[int, ScheduledSeq]], tokens: beam_search.TopTokens,
+                      groups: dict[SequenceGroup, None]) -> None:
+        """Keep each candidate's best tokens; a search whose candidates all have theirs takes its step."""
+        if len(samples) != len(tokens.logprobs):
+            raise ValueError(f"{len(samples)} beam candidates sampled, {len(tokens.logprobs)} rows of tokens")
+        touched: dict[SequenceGroup, None] = {}
+        for i, (_, s) in enumerate(samples):
+            if s.seq.status is RUNNING:
+                s.group.beam.pending[s.seq.seq_id] = tokens.row(i)
+                touched[s.group] = None
+        for group in touched:
+            if all(seq.seq_id in group.beam.pending for seq in group.seqs):
+                self._beam_step(group)
+                if group.is_finished:
+                    groups[group] = None
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        state, cands = group.beam, group.seqs
+        running = beam_search.select(state, cands, [state.pending.pop(seq.seq_id) for seq in cands])
+        self.num_generated_tokens += len(cands)
+        if state.done:
+            self._finish_beam(group)
+            return
+        nxt, dropped = beam_search.advance(self.kv, cands, running)
+        for seq in dropped:  # its blocks' ref counts drop at once; those only it held are free
+            self.kv.free(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._num_running_seqs += len(nxt) - len(cands)
+        self._num_pending_forks += len(cands) - len(nxt)
+        group.seqs = nxt
+
+    def _finish_beam(self, group: SequenceGroup) -> None:
+        """The search is over: free the candidates, the group's sequences become its best hypotheses."""
+        for seq in group.seqs:
+            self.kv.free(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._num_running_seqs -= len(group.seqs)
+        self._remove(group)
+        group.seqs = beam_search.final_sequences(group.beam, group.prompt_token_ids, group.params.n)
 
     def _mark_computed(self, out: SchedulerOutput) -> None:
         """The forward pass wrote K/V for every scheduled token; then the forks share it."""
@@ -266,6 +319,8 @@ class Scheduler:
         for seq in seqs:
             start = seq.num_computed_tokens
             remaining = len(seq.token_ids) - start
+            if not remaining:
+                continue  # a beam candidate waiting for its siblings' distributions
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
             if num_new <= 0:
                 break
@@ -292,7 +347,8 @@ class Scheduler:
             s.block_table = kv.block_ids(seq_id)
         out.scheduled += plan
         # n > 1: fork once the (one) prompt is in. No group has forks pending in a steady decode.
-        if self._num_pending_forks and len(group.seqs) < group.params.n and plan[-1].do_sample:
+        if (self._num_pending_forks and group.beam is None and len(group.seqs) < group.params.n
+                and plan[-1].do_sample):
             parent = plan[-1]
             parent.forks = tuple(parent.seq.fork(index) for index in range(len(group.seqs), group.params.n))
 
@@ -313,6 +369,8 @@ class Scheduler:
             for seq in seqs:
                 self.kv.free(seq.seq_id)
                 seq.reset_for_recompute()
+            if group.beam is not None:
+                group.beam.pending.clear()  # the rows come again with the recomputed K/V
             self.waiting.appendleft(group)  # it arrived before everything waiting
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1

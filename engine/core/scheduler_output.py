@@ -41,22 +41,30 @@ class SchedulerOutput:
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
-    # samples(), built once: the engine (to sample) and update_from_output (to record) both walk it.
+    # samples() and beam_samples(), built once: the engine (to sample) and update_from_output (to record)
+    # both walk them.
     _samples: list[tuple[int, ScheduledSeq, Sequence]] | None = field(default=None, repr=False)
+    _beam_samples: list[tuple[int, ScheduledSeq]] = field(default_factory=list, repr=False)
 
     def samples(self) -> list[tuple[int, ScheduledSeq, Sequence]]:
         """(logits row, scheduled seq, sequence) per token to draw, in the sampler's order:
-        row r is the r-th ``do_sample`` sequence, shared by the children it forks. Call it
-        once scheduling is over (the list is kept)."""
+        row r is the r-th ``do_sample`` sequence, shared by the children it forks. Beam
+        candidates are not drawn (``beam_samples``). Call it once scheduling is over (the list is kept)."""
         if self._samples is None:
             self._samples = []
-            row = 0
-            for s in self.scheduled:
-                if s.do_sample:
-                    self._samples.append((row, s, s.seq))
-                    self._samples += [(row, s, child) for child in s.forks]
-                    row += 1
+            rows = (s for s in self.scheduled if s.do_sample)
+            for row, s in enumerate(rows):
+                if s.group.beam is not None:
+                    self._beam_samples.append((row, s))
+                    continue
+                self._samples.append((row, s, s.seq))
+                self._samples += [(row, s, child) for child in s.forks]
         return self._samples
+
+    def beam_samples(self) -> list[tuple[int, ScheduledSeq]]:
+        """(logits row, scheduled seq) per beam candidate whose next-token distribution is due."""
+        self.samples()
+        return self._beam_samples
 
     @property
     def num_batched_tokens(self) -> int:
