@@ -1,0 +1,149 @@
+"""The engine's model executor: a plain ``ModelRunner`` for one device, or, with ``tensor_parallel_size > 1``,
+a ``ModelExecutor`` (rank 0) driving ``tp - 1`` spawned worker processes. Both have ``execute(scheduler_output)
+-> logits``; the scheduler and its KV manager never know about ranks."""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.connection
+import os
+import socket
+import threading
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cuda_ext
+from engine.config import EngineConfig
+from engine.core.scheduler_output import SchedulerOutput
+from engine.demo_model import ensure_demo_model
+from engine.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from engine.distributed.plan import send_plan
+from engine.distributed.worker import run_worker
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.models import model_class
+from engine.models.config import read_model_config
+from engine.resolved_config import ResolvedConfig, resolve_config
+
+logger = logging.getLogger(__name__)
+
+# A worker that died gets this long for rank 0 to raise its own, clearer, error (e.g. a bad checkpoint both
+# fail to load) before the watchdog ends the process.
+_GRACE_S = 2.0
+_JOIN_S = 10.0
+
+
+def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner | ModelExecutor]:
+    """Resolve ``config``, load the model (this rank's shard) and return what runs the steps."""
+    ops = cuda_ext.load_ops(config.attention_backend)  # built here, once, before any worker loads it
+    load = partial(load_model, show_progress=config.show_progress)
+    if config.tensor_parallel_size == 1:
+        resolved, model = resolve_config(config, load)
+        return resolved, ModelRunner(model, resolved, ops)
+    _check_shardable(config)
+    size = config.tensor_parallel_size
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    workers = [context.Process(target=run_worker, args=(rank, config, init_method), daemon=True,
+                               name=f"pagedserve-tp{rank}") for rank in range(1, size)]
+    for worker in workers:
+        worker.start()
+    watchdog = Watchdog(workers)
+    try:
+        tp = init_tensor_parallel(0, size, init_method, TensorParallel(0, size).device(config.device))
+        resolved, model = resolve_config(config, partial(load, tp=tp), tp)
+        runner = ModelRunner(model, resolved, ops)
+    except BaseException:
+        watchdog.stop()
+        _kill(workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return resolved, ModelExecutor(runner, tp, workers, watchdog)
+
+
+class ModelExecutor:
+    """Rank 0 of a tensor-parallel group: plans each step once, broadcasts the plan, runs its own shard;
+    the logits come back gathered here. A failure is fatal: the ranks can no longer agree on a step."""
+
+    def __init__(self, runner: ModelRunner, tp: TensorParallel, workers: list, watchdog: Watchdog) -> None:
+        self.runner, self.tp, self.workers, self._watchdog = runner, tp, workers, watchdog
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        plan = self.runner.plan(out)
+        try:
+            send_plan(self.tp, plan)
+            return self.runner.run(plan)
+        except Exception:
+            logger.exception("tensor-parallel step failed; the ranks are out of step")
+            _exit_fatally(self.workers)
+
+    def shutdown(self) -> None:
+        """Stop every worker (they leave their loop and exit) and leave the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._watchdog.stop()
+        try:
+            send_plan(self.tp, None)
+        except Exception:  # a worker already gone: it is killed below
+            logger.warning("could not tell every tensor-parallel worker to stop", exc_info=True)
+        for worker in self.workers:
+            worker.join(_JOIN_S)
+        _kill(self.workers)
+        dist.destroy_process_group()
+
+
+class Watchdog:
+    """Ends the engine process (exit code 1) when a worker dies: a collective with a dead peer could block
+    for its whole timeout, and a supervisor restarts a dead process sooner than it finds a stuck one."""
+
+    def __init__(self, workers: list) -> None:
+        self._workers, self._stopped = workers, threading.Event()
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        by_sentinel = {w.sentinel: w for w in self._workers}
+        dead = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
+        if self._stopped.wait(_GRACE_S):
+            return
+        logger.critical("tensor-parallel worker %s (pid %s) exited with code %s; ending the engine",
+                        dead.name, dead.pid, dead.exitcode)
+        _exit_fatally(self._workers)
+
+
+def _exit_fatally(workers: list) -> None:
+    _kill(workers)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _kill(workers: list) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(_JOIN_S)
+
+
+def _check_shardable(config: EngineConfig) -> None:
+    """Build the model on the meta device with rank 0's shapes first: a size that does not divide fails here,
+    with the layer's message, before any process is spawned."""
+    model_config = read_model_config(config.model or ensure_demo_model())
+    with torch.device("meta"):
+        model_class(model_config.architecture)(model_config, torch.device("meta"), torch.float32,
+                                               TensorParallel(0, config.tensor_parallel_size))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
