@@ -112,16 +112,17 @@ class Watchdog:
         self._stopped.set()
 
     def _watch(self) -> None:
-        by_sentinel = {w.sentinel: w for w in self._workers}
-        dead = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
-        if self._stopped.wait(_GRACE_S):
-            return
-        logger.critical("tensor-parallel worker %s (pid %s) exited with code %s; ending the engine",
-                        dead.name, dead.pid, dead.exitcode)
-        _exit_fatally(self._workers)
+        multiprocessing.connection.wait([w.sentinel for w in self._workers])
+        if not self._stopped.wait(_GRACE_S):
+            _exit_fatally(self._workers)
 
 
 def _exit_fatally(workers: list) -> None:
+    for worker in workers:
+        if not worker.is_alive():
+            logger.critical("tensor-parallel worker %s (pid %s) exited with code %s", worker.name, worker.pid,
+                            worker.exitcode)
+    logger.critical("ending the engine process: its tensor-parallel group is broken")
     _kill(workers)
     logging.shutdown()
     os._exit(1)
