@@ -3,12 +3,12 @@ a ``ModelExecutor`` (rank 0) driving ``tp - 1`` spawned worker processes. Both h
 -> logits``; the scheduler and its KV manager never know about ranks."""
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing.connection
 import os
 import socket
 import threading
+import weakref
 from functools import partial
 
 import torch
@@ -70,9 +70,9 @@ class ModelExecutor:
     the logits come back gathered here. A failure is fatal: the ranks can no longer agree on a step."""
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel, workers: list, watchdog: Watchdog) -> None:
-        self.runner, self.tp, self.workers, self._watchdog = runner, tp, workers, watchdog
-        self._closed = False
-        atexit.register(self.shutdown)
+        self.runner, self.tp, self.workers = runner, tp, workers
+        # Also when the engine is dropped or the interpreter exits: the next engine may form a group.
+        self.shutdown = weakref.finalize(self, _stop_group, tp, workers, watchdog)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         plan = self.runner.plan(out)
@@ -83,21 +83,19 @@ class ModelExecutor:
             logger.exception("tensor-parallel step failed; the ranks are out of step")
             _exit_fatally(self.workers)
 
-    def shutdown(self) -> None:
-        """Stop every worker (they leave their loop and exit) and leave the group; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        self._watchdog.stop()
-        try:
-            send_plan(self.tp, None)
-        except Exception:  # a worker already gone: it is killed below
-            logger.warning("could not tell every tensor-parallel worker to stop", exc_info=True)
-        for worker in self.workers:
-            worker.join(_JOIN_S)
-        _kill(self.workers)
-        dist.destroy_process_group()
+
+
+def _stop_group(tp: TensorParallel, workers: list, watchdog: Watchdog) -> None:
+    """``ModelExecutor.shutdown``: stop every worker (they leave their loop and exit), leave the group."""
+    watchdog.stop()
+    try:
+        send_plan(tp, None)
+    except Exception:  # a worker already gone: it is killed below
+        logger.warning("could not tell every tensor-parallel worker to stop", exc_info=True)
+    for worker in workers:
+        worker.join(_JOIN_S)
+    _kill(workers)
+    dist.destroy_process_group()
 
 
 class Watchdog:

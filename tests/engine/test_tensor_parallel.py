@@ -154,3 +154,31 @@ def test_killed_rank_ends_the_engine(tmp_path):
         proc.kill()
     assert code != 0
     assert "exited with code -9" in proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_killed_engine_ends_its_workers(tmp_path):
+    """The other way round: rank 0 killed (no chance to clean up), its worker notices and exits."""
+    checkpoint = build_checkpoint("llama", tmp_path)
+    env = os.environ | {"PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ENGINE, checkpoint.path, ENGINE["attention_backend"]],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        worker = int(proc.stdout.readline().split()[1])
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
