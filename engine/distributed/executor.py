@@ -44,6 +44,14 @@ def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner |
         resolved, model = resolve_config(config, load)
         return resolved, ModelRunner(model, resolved, ops)
     _check_shardable(config)
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine already runs in this process (one at a time: shut it down "
+                           "with engine.runner.shutdown() or drop it first)")
+    return _start_group(config, ops, load)
+
+
+def _start_group(config: EngineConfig, ops: cuda_ext.KernelOps, load: partial) -> tuple[ResolvedConfig, ModelExecutor]:
+    """Spawn ranks 1..N-1, join them as rank 0 and load rank 0's shard (the workers load theirs meanwhile)."""
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")

@@ -71,8 +71,6 @@ class TensorParallel:
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
     """Join the group: every rank calls this with the same ``size`` and ``init_method``."""
-    if dist.is_initialized():
-        raise RuntimeError("a tensor-parallel engine already runs in this process (torch.distributed is initialised)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

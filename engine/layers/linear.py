@@ -46,7 +46,7 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool, tp: TensorParallel,
                  part_splits: list[int] | None = None) -> None:
         splits = part_splits or [tp.size] * len(part_sizes)
-        local = [tp.shard(size, "output features of a column-parallel layer", n) for size, n in zip(part_sizes, splits)]
+        local = [tp.shard(size, "the output size of a column-parallel layer", n) for size, n in zip(part_sizes, splits)]
         super().__init__(in_features, sum(local), bias=bias)
         self.tp, self.part_splits, self.local_sizes = tp, splits, local
 
@@ -62,7 +62,7 @@ class RowParallelLinear(Linear):
     (replicated) bias is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(tp.shard(in_features, "input features of a row-parallel layer"), out_features, bias=bias)
+        super().__init__(tp.shard(in_features, "the input size of a row-parallel layer"), out_features, bias=bias)
         self.tp = tp
 
     def pack(self, ops: KernelOps) -> None:
