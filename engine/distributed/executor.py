@@ -124,6 +124,8 @@ class Watchdog:
 
 
 def _exit_fatally(workers: list) -> None:
+    # A failed collective can beat the peer's exit by a moment: give a dying worker time to be reaped.
+    multiprocessing.connection.wait([w.sentinel for w in workers], timeout=1.0)
     for worker in workers:
         if not worker.is_alive():
             logger.critical("tensor-parallel worker %s (pid %s) exited with code %s", worker.name, worker.pid,

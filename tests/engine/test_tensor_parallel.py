@@ -149,11 +149,12 @@ def test_killed_rank_ends_the_engine(tmp_path):
         os.kill(int(line.split()[1]), signal.SIGKILL)
         killed = time.monotonic()
         code = proc.wait(timeout=30)
-        assert time.monotonic() - killed < 10
+        took = time.monotonic() - killed
     finally:
         proc.kill()
-    assert code != 0
-    assert "exited with code -9" in proc.stderr.read()
+    stderr = proc.stderr.read()
+    assert code != 0 and took < 10, stderr
+    assert "exited with code -9" in stderr, stderr
 
 
 @pytest.mark.slow
