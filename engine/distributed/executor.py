@@ -19,7 +19,7 @@ import cuda_ext
 from engine.config import EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.demo_model import ensure_demo_model
-from engine.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from engine.distributed.parallel_state import TensorParallel, init_tensor_parallel, set_rank_threads
 from engine.distributed.plan import send_plan
 from engine.distributed.worker import run_worker
 from engine.loader import load_model
@@ -53,6 +53,7 @@ def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner |
 def _start_group(config: EngineConfig, ops: cuda_ext.KernelOps, load: partial) -> tuple[ResolvedConfig, ModelExecutor]:
     """Spawn ranks 1..N-1, join them as rank 0 and load rank 0's shard (the workers load theirs meanwhile)."""
     size = config.tensor_parallel_size
+    set_rank_threads(config.num_threads, size)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
     workers = [context.Process(target=run_worker, args=(rank, config, init_method), daemon=True,

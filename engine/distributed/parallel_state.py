@@ -6,6 +6,7 @@ group (NCCL on CUDA, gloo on CPU); the step plan and the start-up agreement run 
 (``control``), whose long timeout lets a worker wait for the next step however long the engine idles."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +22,8 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 @dataclass(slots=True)
 class TensorParallel:
+    """This process's place in the group; the layers keep it to size their shards and to reduce."""
+
     rank: int = 0
     size: int = 1
     control: dist.ProcessGroup | None = None  # gloo, CPU tensors: plans and start-up agreement
@@ -67,6 +70,12 @@ class TensorParallel:
         """This rank's device: ``cuda`` / ``cuda:i`` -> one GPU per rank from there; CPU is shared."""
         d = torch.device(device)
         return torch.device("cuda", (d.index or 0) + self.rank) if d.type == "cuda" else d
+
+
+def set_rank_threads(num_threads: int | None, size: int) -> None:
+    """The configured CPU threads per rank, else an equal share of this process's cores: ranks on one
+    CPU would otherwise each start a thread per core."""
+    torch.set_num_threads(num_threads or max(1, len(os.sched_getaffinity(0)) // size))
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:

@@ -8,12 +8,11 @@ import os
 import threading
 from functools import partial
 
-import torch
 import torch.distributed as dist
 
 import cuda_ext
 from engine.config import EngineConfig
-from engine.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from engine.distributed.parallel_state import TensorParallel, init_tensor_parallel, set_rank_threads
 from engine.distributed.plan import receive_plan
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -25,9 +24,8 @@ logger = logging.getLogger(__name__)
 def run_worker(rank: int, config: EngineConfig, init_method: str) -> None:
     """The process's target: join the group, load this rank's shard, run plans until rank 0 says stop."""
     _exit_with_parent()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     size = config.tensor_parallel_size
+    set_rank_threads(config.num_threads, size)
     tp = init_tensor_parallel(rank, size, init_method, TensorParallel(rank, size).device(config.device))
     ops = cuda_ext.load_ops(config.attention_backend)
     resolved, model = resolve_config(config, partial(load_model, show_progress=False, tp=tp), tp)
