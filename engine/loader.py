@@ -83,12 +83,12 @@ def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dic
     shard: Shard | None = shard_of(attr, part) if shard_of is not None else None
     dest = params[param_name].data
     if shard is None:
-        tensor = src[:]
+        expected, index = list(dest.shape), slice(None)
     else:
-        tensor = src[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)]
         dest = dest.narrow(shard.dim, shard.dest_start, shard.size)
-    if dest.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(src.get_shape())}, this rank reads "
-                         f"{tuple(tensor.shape)} and the model expects {tuple(dest.shape)} "
-                         "(does config.json match the weights?)")
-    dest.copy_(tensor)
+        expected = [shard.total if d == shard.dim else n for d, n in enumerate(dest.shape)]
+        index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+    if src.get_shape() != expected:
+        raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(src.get_shape())}, "
+                         f"model expects {tuple(expected)} (does config.json match the weights?)")
+    dest.copy_(src[index])

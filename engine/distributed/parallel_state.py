@@ -69,7 +69,7 @@ class TensorParallel:
     def device(self, device: str) -> torch.device:
         """This rank's device: ``cuda`` / ``cuda:i`` -> one GPU per rank from there; CPU is shared."""
         d = torch.device(device)
-        return torch.device("cuda", (d.index or 0) + self.rank) if d.type == "cuda" else d
+        return torch.device("cuda", (d.index or 0) + self.rank) if d.type == "cuda" and self.size > 1 else d
 
 
 def set_rank_threads(num_threads: int | None, size: int) -> None:

@@ -15,10 +15,12 @@ from engine.distributed.parallel_state import TensorParallel
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """This rank's part of one checkpoint tensor: ``[start, start + size)`` along ``dim``, copied into the
-    parameter at ``[dest_start, dest_start + size)`` along the same dim (the loader reads only that slice)."""
+    """This rank's part of one checkpoint tensor, ``total`` long along ``dim``: ``[start, start + size)``,
+    copied into the parameter at ``[dest_start, dest_start + size)`` along the same dim (the loader reads only
+    that slice)."""
 
     dim: int
+    total: int
     start: int
     size: int
     dest_start: int = 0
@@ -54,7 +56,7 @@ class ColumnParallelLinear(Linear):
         i = part or 0
         size = self.local_sizes[i]
         start = self.tp.rank * self.part_splits[i] // self.tp.size * size
-        return Shard(0, start, size, sum(self.local_sizes[:i]))
+        return Shard(0, size * self.part_splits[i], start, size, sum(self.local_sizes[:i]))
 
 
 class RowParallelLinear(Linear):
@@ -77,4 +79,4 @@ class RowParallelLinear(Linear):
     def checkpoint_shard(self, param: str, part: int | None) -> Shard | None:
         if param == "bias":
             return None
-        return Shard(1, self.tp.rank * self.in_features, self.in_features)
+        return Shard(1, self.in_features * self.tp.size, self.tp.rank * self.in_features, self.in_features)

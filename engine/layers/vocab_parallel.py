@@ -14,7 +14,7 @@ def _vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, Shard]:
     """(rows per rank, this rank's rows of the checkpoint's ``[vocab_size, dim]`` tensor)."""
     rows = -(-vocab_size // tp.size)
     start = tp.rank * rows
-    return rows, Shard(0, start, max(0, min(rows, vocab_size - start)))
+    return rows, Shard(0, vocab_size, start, max(0, min(rows, vocab_size - start)))
 
 
 class VocabParallelEmbedding(nn.Embedding):
