@@ -10,6 +10,7 @@ import socket
 import threading
 import weakref
 from functools import partial
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class ModelExecutor:
     """Rank 0 of a tensor-parallel group: plans each step once, broadcasts the plan, runs its own shard;
     the logits come back gathered here. A failure is fatal: the ranks can no longer agree on a step."""
 
-    def __init__(self, runner: ModelRunner, tp: TensorParallel, workers: list, watchdog: Watchdog) -> None:
+    def __init__(self, runner: ModelRunner, tp: TensorParallel, workers: list[BaseProcess], watchdog: Watchdog) -> None:
         self.runner, self.tp, self.workers = runner, tp, workers
         # Also when the engine is dropped or the interpreter exits: the next engine may form a group.
         self.shutdown = weakref.finalize(self, _stop_group, tp, workers, watchdog)
@@ -93,8 +94,7 @@ class ModelExecutor:
             _exit_fatally(self.workers)
 
 
-
-def _stop_group(tp: TensorParallel, workers: list, watchdog: Watchdog) -> None:
+def _stop_group(tp: TensorParallel, workers: list[BaseProcess], watchdog: Watchdog) -> None:
     """``ModelExecutor.shutdown``: stop every worker (they leave their loop and exit), leave the group."""
     watchdog.stop()
     try:
@@ -111,7 +111,7 @@ class Watchdog:
     """Ends the engine process (exit code 1) when a worker dies: a collective with a dead peer could block
     for its whole timeout, and a supervisor restarts a dead process sooner than it finds a stuck one."""
 
-    def __init__(self, workers: list) -> None:
+    def __init__(self, workers: list[BaseProcess]) -> None:
         self._workers, self._stopped = workers, threading.Event()
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
 
@@ -124,7 +124,7 @@ class Watchdog:
             _exit_fatally(self._workers)
 
 
-def _exit_fatally(workers: list) -> None:
+def _exit_fatally(workers: list[BaseProcess]) -> None:
     # A failed collective can beat the peer's exit by a moment: give a dying worker time to be reaped.
     multiprocessing.connection.wait([w.sentinel for w in workers], timeout=1.0)
     for worker in workers:
@@ -137,7 +137,7 @@ def _exit_fatally(workers: list) -> None:
     os._exit(1)
 
 
-def _kill(workers: list) -> None:
+def _kill(workers: list[BaseProcess]) -> None:
     for worker in workers:
         if worker.is_alive():
             worker.kill()
