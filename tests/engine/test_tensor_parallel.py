@@ -15,10 +15,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.distributed.parallel_state import TensorParallel
 from engine.distributed.plan import _decode, _encode
 from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard
+from engine.layers.vocab_parallel import ParallelLMHead
 from engine.model_runner import Batch, StepPlan
-from .conftest import MAX_NEW_TOKENS, build_checkpoint, hf_greedy, mixed_prompts, _ext_available
+from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, VOCAB, build_checkpoint, hf_greedy, mixed_prompts, _ext_available
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 PROMPTS = mixed_prompts(count=8)
@@ -38,8 +41,12 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 @pytest.fixture(scope="module", params=["llama", "qwen2", "opt"])
 def model(request, tmp_path_factory):
     """(checkpoint, transformers' greedy outputs, a tp=2 LLM): one engine and worker per model, shared by the
-    scenarios (each runs on a fresh scheduler over the same KV pools; the ranks never see the scheduler)."""
-    checkpoint = build_checkpoint(request.param, tmp_path_factory.mktemp(f"tp-{request.param}"))
+    scenarios (each runs on a fresh scheduler over the same KV pools; the ranks never see the scheduler).
+    OPT gets an odd vocabulary, so its embedding and LM head are padded (tied, too)."""
+    config = ARCH_CONFIGS[request.param]()
+    if request.param == "opt":
+        config.vocab_size = VOCAB + 1
+    checkpoint = build_checkpoint(request.param, tmp_path_factory.mktemp(f"tp-{request.param}"), config=config)
     reference = [hf_greedy(checkpoint.hf_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     llm = LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     yield checkpoint, reference, llm
@@ -66,8 +73,7 @@ def test_model_is_sharded(model):
     # Fewer KV heads than ranks (llama, qwen2): each rank keeps one, replicated; the pool holds only its heads.
     assert attn.num_kv_heads == max(1, getattr(hf, "num_key_value_heads", hf.num_attention_heads) // 2)
     assert runner.kv_cache.shape[3] == attn.num_kv_heads
-    lm_head = runner.model.lm_head
-    assert lm_head.weight.shape[0] == hf.vocab_size // 2
+    assert runner.model.lm_head.weight.shape[0] == -(-hf.vocab_size // 2)  # padded to a multiple of the ranks
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -95,6 +101,21 @@ def test_matches_tp1_with_forks(model):
     assert tp2 == [[r, r] for r in reference]
     tp1 = LLM(checkpoint.path, skip_tokenizer_init=True, **ENGINE)
     assert generate(tp1, params) == tp2
+
+
+def test_shard_arithmetic():
+    """Which slice of each checkpoint tensor a rank reads, without processes (4 ranks, 2 KV heads of 64)."""
+    tp = TensorParallel(rank=3, size=4)
+    qkv = ColumnParallelLinear(128, [4 * 64, 2 * 64, 2 * 64], False, tp, [4, 2, 2])
+    assert qkv.weight.shape == (3 * 64, 128)
+    assert qkv.checkpoint_shard("weight", 0) == Shard(0, 256, 3 * 64, 64, 0)  # query head 3
+    assert qkv.checkpoint_shard("weight", 2) == Shard(0, 128, 64, 64, 128)  # ranks 2, 3 share KV head 1
+    down = RowParallelLinear(256, 128, True, tp)
+    assert down.checkpoint_shard("weight", None) == Shard(1, 256, 192, 64) and down.checkpoint_shard("bias", None) is None
+    head = ParallelLMHead(128, 301, tp)  # 76 rows per rank; the last rank has 73 real ones
+    assert head.weight.shape == (76, 128) and head.checkpoint_shard("weight", None) == Shard(0, 301, 228, 73)
+    with pytest.raises(ValueError, match="neither a divisor nor a multiple of num_key_value_heads=3"):
+        tp.kv_heads(3)
 
 
 def test_plan_round_trip():
