@@ -31,8 +31,9 @@ from engine.resolved_config import ResolvedConfig, resolve_config
 
 logger = logging.getLogger(__name__)
 
-# A worker that died gets this long for rank 0 to raise its own, clearer, error (e.g. a bad checkpoint both
-# fail to load) before the watchdog ends the process.
+# A worker that died gives rank 0 this long to raise its own, clearer, error (e.g. a bad checkpoint both
+# fail to load) before the watchdog ends the process; a failed step waits as long for a dying worker's
+# exit code.
 _GRACE_S = 2.0
 _JOIN_S = 10.0
 
@@ -126,7 +127,7 @@ class Watchdog:
 
 def _exit_fatally(workers: list[BaseProcess]) -> None:
     # A failed collective can beat the peer's exit by a moment: give a dying worker time to be reaped.
-    multiprocessing.connection.wait([w.sentinel for w in workers], timeout=1.0)
+    multiprocessing.connection.wait([w.sentinel for w in workers], timeout=_GRACE_S)
     for worker in workers:
         if not worker.is_alive():
             logger.critical("tensor-parallel worker %s (pid %s) exited with code %s", worker.name, worker.pid,
