@@ -46,6 +46,8 @@ class EngineConfig:
     kv_allocator: KVAllocatorName = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
     seed: int = spec(0, help="engine sampling seed")
     num_threads: int | None = spec(help="torch CPU threads")
+    tensor_parallel_size: int = spec(1, low=1, help="split the model across this many processes (one GPU each on "
+                                                    "CUDA; gloo on CPU), sharing one scheduler and block table")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:

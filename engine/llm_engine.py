@@ -9,19 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from functools import partial
 
 import torch
 
-import cuda_ext
 from engine import beam_search
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.distributed.executor import create_executor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.resolved_config import resolve_config
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -37,10 +33,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config, model = resolve_config(config, partial(load_model, show_progress=config.show_progress))
+        self.config, self.runner = create_executor(config)  # a ModelRunner, or rank 0 of a tensor-parallel group
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
-        self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))
         self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
         self._groups: dict[str, SequenceGroup] = {}

@@ -1,4 +1,5 @@
-"""Checkpoint folder -> engine model: safetensors tensors copied straight into the (fused) layers."""
+"""Checkpoint folder -> engine model: safetensors tensors copied straight into the (fused) layers; with tensor
+parallelism each rank reads only its own slice of each tensor (``checkpoint_shard`` of the layer that owns it)."""
 from __future__ import annotations
 
 import glob
@@ -9,19 +10,22 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.layers.linear import FusedLinear
+from engine.distributed.parallel_state import TensorParallel
+from engine.layers.linear import Shard
 from engine.models import model_class
 from engine.models.config import ModelConfig
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = True) -> nn.Module:
-    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = True,
+               tp: TensorParallel | None = None) -> nn.Module:
+    """Build the model (this rank's shard of it) without initialising it (meta device), then fill every
+    parameter from the checkpoint."""
     cls = model_class(cfg.architecture)
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model folder {cfg.path!r}")
     with torch.device("meta"):
-        model = cls(cfg, device, dtype)
+        model = cls(cfg, device, dtype, tp or TensorParallel())
     model.to(dtype).to_empty(device=device)  # cast while on meta: no full-size copy in the default dtype
     model.tie_weights()
     loaded = _load_files(model, files, show_progress)
@@ -43,7 +47,7 @@ def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[
                 for name in f.keys():
                     target = _target_name(name, params, packed)
                     if target is not None:
-                        _copy_weight(target, f.get_tensor(name), params, modules, name)
+                        _copy_weight(target, f.get_slice(name), params, modules, name)
                         loaded.add(target[0])
                     bar.update(1)
     return loaded
@@ -71,14 +75,20 @@ def _target_name(name: str, params: dict, packed: dict) -> tuple[str, int | None
     raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
 
 
-def _copy_weight(target: tuple[str, int | None], tensor: torch.Tensor, params: dict, modules: dict, src: str) -> None:
-    param_name, shard = target
+def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dict, name: str) -> None:
+    """Copy this rank's part of checkpoint tensor ``name`` (a safetensors slice: nothing else is read)."""
+    param_name, part = target
+    module_name, _, attr = param_name.rpartition(".")
+    shard_of = getattr(modules[module_name], "checkpoint_shard", None)
+    shard: Shard | None = shard_of(attr, part) if shard_of is not None else None
     dest = params[param_name].data
-    if shard is not None:
-        module: FusedLinear = modules[param_name.rsplit(".", 1)[0]]
-        start, size = module.shard_offset(shard)
-        dest = dest.narrow(0, start, size)
-    if dest.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {src!r}: checkpoint has {tuple(tensor.shape)}, "
-                         f"model expects {tuple(dest.shape)} (does config.json match the weights?)")
-    dest.copy_(tensor)
+    if shard is None:
+        expected, index = list(dest.shape), slice(None)
+    else:
+        dest = dest.narrow(shard.dim, shard.dest_start, shard.size)
+        expected = [shard.total if d == shard.dim else n for d, n in enumerate(dest.shape)]
+        index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+    if src.get_shape() != expected:
+        raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(src.get_shape())}, "
+                         f"model expects {tuple(expected)} (does config.json match the weights?)")
+    dest.copy_(src[index])

@@ -1,5 +1,9 @@
-"""Turns a SchedulerOutput into one forward pass over the paged KV pool."""
+"""Turns a SchedulerOutput into one forward pass over the paged KV pool, in two halves: ``plan`` (host tensors:
+the block moves and the flattened batch) and ``run`` (on this rank's device and KV pool). With tensor
+parallelism rank 0 plans and every rank runs the same plan (engine/distributed/executor.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,6 +15,27 @@ from engine.layers.linear import Linear
 from engine.resolved_config import ResolvedConfig
 
 
+@dataclass(slots=True)
+class Batch:
+    """The flattened step (``ModelRunner._prepare``)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the hidden states that get logits
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything a rank needs to run one step, on the host: the block moves ([n, 2] int64 (src, dst) pairs)
+    and the batch (None when the step only moves blocks)."""
+
+    swap_out: torch.Tensor
+    swap_in: torch.Tensor
+    copies: torch.Tensor
+    batch: Batch | None
+
+
 class ModelRunner:
     """Owns the KV pools (device and CPU swap) and runs the model on a flattened batch."""
 
@@ -18,40 +43,55 @@ class ModelRunner:
         self.model, self.ops, self.device = model, ops, config.device
         m, sched = config.model_config, config.scheduler
         self.block_size = sched.block_size
-        shape = (m.num_layers, 2, m.num_kv_heads, sched.block_size, m.head_dim)
+        attention = model.attention_layers()
+        # This rank's KV heads only (all of them without tensor parallelism).
+        shape = (m.num_layers, 2, attention[0].num_kv_heads, sched.block_size, m.head_dim)
         self.kv_cache = _new_pool(sched.num_device_blocks, shape, config.dtype, config.device)
         # Swap-ins only read blocks a swap-out wrote, so the CPU pool needs no zeroing.
         self.cpu_cache = torch.empty((sched.num_cpu_blocks, *shape), dtype=config.dtype, device="cpu",
                                      pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
-        for i, attn in enumerate(model.attention_layers()):
+        for i, attn in enumerate(attention):
             attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
         for layer in model.modules():
             if isinstance(layer, Linear):
-                layer.packed = ops.pack_linear(layer.weight, layer.bias)
+                layer.pack(ops)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Moves blocks, runs the model; returns fp32 logits for the ``do_sample`` seqs, in schedule order."""
-        self._move_blocks(out)
-        if not out.scheduled:
-            return None
-        input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
-        hidden = self.model(input_ids, positions, meta)
-        if sample_rows.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        return self.run(self.plan(out))
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        batch = Batch(*self._prepare(out.scheduled)) if out.scheduled else None
+        return StepPlan(_mapping(out.blocks_to_swap_out), _mapping(out.blocks_to_swap_in),
+                        _mapping(out.blocks_to_copy), batch)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """The logits (None without sampled rows, and on tensor-parallel ranks other than 0)."""
+        self._move_blocks(plan)
+        b = plan.batch
+        if b is None:
+            return None
+        meta = AttentionMetadata(self._dev(b.meta.slot_mapping), self._dev(b.meta.block_tables),
+                                 self._dev(b.meta.seq_lens), self._dev(b.meta.query_start_loc),
+                                 b.meta.max_query_len, b.meta.max_seq_len)
+        hidden = self.model(self._dev(b.input_ids), self._dev(b.positions), meta)
+        if b.sample_rows.numel() == 0:
+            return None
+        logits = self.model.compute_logits(hidden[self._dev(b.sample_rows)])
+        return None if logits is None else logits.float()
+
+    def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
-        if out.blocks_to_swap_out:
-            self.ops.swap_blocks(self.kv_cache, self.cpu_cache, _mapping(out.blocks_to_swap_out))
-        if out.blocks_to_swap_in:
-            self.ops.swap_blocks(self.cpu_cache, self.kv_cache, _mapping(out.blocks_to_swap_in))
-        if out.blocks_to_copy:
-            self.ops.copy_blocks(self.kv_cache, _mapping(out.blocks_to_copy).to(self.device))
+        if plan.swap_out.numel():
+            self.ops.swap_blocks(self.kv_cache, self.cpu_cache, plan.swap_out)
+        if plan.swap_in.numel():
+            self.ops.swap_blocks(self.cpu_cache, self.kv_cache, plan.swap_in)
+        if plan.copies.numel():
+            self.ops.copy_blocks(self.kv_cache, plan.copies.to(self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """One pass over the seqs, one tensor per field; slots are computed vectorised, not per token."""
+        """One pass over the seqs, one host tensor per field; slots are computed vectorised, not per token."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -75,11 +115,11 @@ class ModelRunner:
         qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
         torch.cumsum(qlens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=self._dev(slots), block_tables=self._dev(block_tables),
-            seq_lens=self._dev(torch.tensor(seq_lens, dtype=torch.int32)), query_start_loc=self._dev(qsl),
+            slot_mapping=slots, block_tables=block_tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-        ids = self._dev(torch.tensor(input_ids, dtype=torch.int64))
-        return ids, self._dev(pos), meta, self._dev(torch.tensor(sample_rows, dtype=torch.int64))
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.int64)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

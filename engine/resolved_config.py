@@ -13,6 +13,7 @@ import cuda_ext
 from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
+from engine.distributed.parallel_state import TensorParallel
 from engine.models.config import ModelConfig, read_model_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -27,18 +28,20 @@ class ResolvedConfig:
     model_config: ModelConfig  # its path: the checkpoint in use (the demo model when none was given)
     tokenizer: str  # the model's folder unless the config names another
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # this rank's
     scheduler: SchedulerConfig
     show_progress: bool
 
 
-def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.device, torch.dtype], M]
-                   ) -> tuple[ResolvedConfig, M]:
+def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.device, torch.dtype], M],
+                   tp: TensorParallel | None = None) -> tuple[ResolvedConfig, M]:
     """Resolve ``config`` against its checkpoint and load the weights with ``load``: after the
     checks, so a bad config fails before a long load, and before the KV pools are sized, so
-    a memory fraction is a share of what the weights left free."""
+    a memory fraction is a share of what the weights left free. With tensor parallelism every rank
+    calls this (``tp``) and they settle on block counts every rank's pool can hold."""
+    tp = tp or TensorParallel()
     model_config = read_model_config(config.model or ensure_demo_model())
-    device = torch.device(config.device)
+    device = tp.device(config.device)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device.type)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
@@ -48,8 +51,11 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
         raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
     model = load(model_config, device, dtype)
-    num_device_blocks, num_cpu_blocks = _kv_blocks(config, model_config.kv_elements_per_token * dtype.itemsize,
-                                                   max_model_len, device)
+    # A rank stores only its KV heads of every block.
+    token_bytes = (model_config.kv_elements_per_token // model_config.num_kv_heads
+                   * tp.kv_heads(model_config.num_kv_heads) * dtype.itemsize)
+    num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, max_model_len, device,
+                                                                     tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
                                          max_model_len=max_model_len)
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
@@ -57,13 +63,17 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     return resolved, model
 
 
-def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device) -> tuple[int, int]:
+def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device,
+               num_ranks: int) -> tuple[int, int]:
     """Device and CPU block counts; those not given come from the byte budgets. The device pool is capped at
     what ``max_num_seqs`` full-length sequences could ever use: more blocks would only idle."""
     block_bytes = token_bytes * config.block_size
     num_device_blocks = config.num_device_blocks
     if num_device_blocks is None:
-        budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction)
+        # Tensor-parallel ranks on CPU share one memory; on GPUs each has its own.
+        share = num_ranks if device.type == "cpu" else 1
+        budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction
+                                                     / share)
         num_device_blocks = min(budget // block_bytes, config.max_num_seqs * -(-max_model_len // config.block_size))
         if num_device_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")

@@ -105,9 +105,11 @@ def write_checkpoint(name: str, folder: str) -> str:
     return folder
 
 
-def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str) -> tuple[float, float]:
+def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str,
+                     tensor_parallel_size: int = 1) -> tuple[float, float]:
     llm = LLM(path, skip_tokenizer_init=True, attention_backend=backend, num_threads=threads,
-              max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False)
+              max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              tensor_parallel_size=tensor_parallel_size)
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
     return timed(lambda: _run_pagedserve(llm, requests))
 
@@ -182,8 +184,9 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
                       f"CPU-s) {detail}", flush=True)
 
-            record("pagedserve", bench_pagedserve(path, requests, args.threads, args.backend),
-                   f"backend={args.backend}")
+            record("pagedserve", bench_pagedserve(path, requests, args.threads, args.backend,
+                                                  args.tensor_parallel_size),
+                   f"backend={args.backend}, tensor_parallel_size={args.tensor_parallel_size}")
             if hf_model is None and not (args.skip_hf_static and args.skip_hf_continuous):
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                     path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--hf-page-sizes", default="64,256",
                         help="transformers continuous batching page sizes to try (best is kept)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -6,25 +6,31 @@ from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
-from engine.layers.linear import FusedLinear, Linear
+from engine.distributed.parallel_state import TensorParallel
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # this step's (cos, sin), shared by all layers
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # This rank's heads: its share of the query heads, and of the KV heads (or one replicated KV head).
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads, self.head_dim = tp.kv_heads(cfg.num_kv_heads), cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.hf.get("attention_bias", False))
+        kv_splits = min(cfg.num_kv_heads, tp.size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], qkv_bias, tp,
+                                             [tp.size, kv_splits, kv_splits])
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.hf.get("attention_bias", False), tp)
         eps = cfg.hf["rms_norm_eps"]
         self.q_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Heads stay views of the fused projection; rotary runs once over q and k together.
@@ -38,11 +44,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         inter, bias = cfg.hf["intermediate_size"], cfg.hf.get("mlp_bias", False)
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,13 +56,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(rope, self.input_layernorm(h), meta)
@@ -64,11 +70,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -87,15 +94,15 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         if cfg.hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cfg.architecture}: unsupported hidden_act {cfg.hf['hidden_act']!r} (only silu)")
         theta, scaling = _rope_params(cfg.hf)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
         qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
-        self.model = LlamaModel(cfg, rotary, qkv_bias, self.qk_norm)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_word_embeddings = cfg.hf.get("tie_word_embeddings", False)
 
     def tie_weights(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-import engine.llm_engine
+import engine.distributed.executor
 from engine import LLM, SamplingParams
 
 from .conftest import COMMON, Checkpoint, backends, build_checkpoint, hf_greedy, mixed_prompts
@@ -53,7 +53,7 @@ def test_unsupported_head_size_fails_at_load(shape_checkpoints, monkeypatch) -> 
         raise AssertionError("the shape check comes before the weights load")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.llm_engine, "load_model", no_weights)
+        patch.setattr(engine.distributed.executor, "load_model", no_weights)
         with pytest.raises(ValueError, match=r"head size 72; the compiled paged attention supports 32, 40"):
             make_llm(path, "ext")
     out = make_llm(path, "torch").generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2))

@@ -1,0 +1,71 @@
+"""The step plan on the wire: rank 0 packs a ``StepPlan`` (block moves + flattened batch) into one int64 tensor
+with a fixed-size header and broadcasts it on the gloo control group; the other ranks unpack the same tensors.
+Plain integers only, no pickle: the header gives every field's length, the payload holds them back to back."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed.parallel_state import TensorParallel
+from engine.layers.attention import AttentionMetadata
+from engine.model_runner import Batch, StepPlan
+
+# kind, payload length, then _Header's counts; kind 0 tells the workers to stop.
+_HEADER_LEN = 12
+_STOP, _STEP = 0, 1
+
+
+def send_plan(tp: TensorParallel, plan: StepPlan | None) -> None:
+    """Rank 0: broadcast this step's plan (None: stop the workers)."""
+    header, payload = _encode(plan)
+    dist.broadcast(header, 0, group=tp.control)
+    if payload.numel():
+        dist.broadcast(payload, 0, group=tp.control)
+
+
+def receive_plan(tp: TensorParallel) -> StepPlan | None:
+    """Other ranks: wait for rank 0's next plan (None: stop)."""
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, 0, group=tp.control)
+    h = header.tolist()
+    if h[0] == _STOP:
+        return None
+    payload = torch.empty(h[1], dtype=torch.int64)
+    if h[1]:
+        dist.broadcast(payload, 0, group=tp.control)
+    return _decode(h, payload)
+
+
+def _encode(plan: StepPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    if plan is None:
+        return header, header[:0]
+    parts = [plan.swap_out, plan.swap_in, plan.copies]
+    counts = [len(plan.swap_out), len(plan.swap_in), len(plan.copies), 0, 0, 0, 0, 0, 0, 0]
+    b = plan.batch
+    if b is not None:
+        m = b.meta
+        parts += [b.input_ids, b.positions, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
+                  b.sample_rows]
+        counts[3:] = [1, len(b.input_ids), len(m.seq_lens), m.block_tables.shape[1], len(b.sample_rows),
+                      m.max_query_len, m.max_seq_len]
+    payload = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    header[0], header[1] = _STEP, payload.numel()
+    header[2:] = torch.tensor(counts)
+    return header, payload
+
+
+def _decode(h: list[int], payload: torch.Tensor) -> StepPlan:
+    n_out, n_in, n_copy, has_batch, tokens, seqs, width, samples, max_query_len, max_seq_len = h[2:]
+    sizes = [2 * n_out, 2 * n_in, 2 * n_copy]
+    if has_batch:
+        sizes += [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, samples]
+    parts = payload.split(sizes)
+    swap_out, swap_in, copies = (p.view(-1, 2) for p in parts[:3])
+    batch = None
+    if has_batch:
+        ids, positions, slots, tables, seq_lens, qsl, sample_rows = parts[3:]
+        meta = AttentionMetadata(slots, tables.view(seqs, width).to(torch.int32), seq_lens.to(torch.int32),
+                                 qsl.to(torch.int32), max_query_len, max_seq_len)
+        batch = Batch(ids, positions, meta, sample_rows)
+    return StepPlan(swap_out, swap_in, copies, batch)
