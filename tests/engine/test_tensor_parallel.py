@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, BeamSearchParams, SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.distributed.parallel_state import TensorParallel
 from engine.distributed.plan import _decode, _encode
@@ -101,6 +101,19 @@ def test_matches_tp1_with_forks(model):
     assert tp2 == [[r, r] for r in reference]
     tp1 = LLM(checkpoint.path, skip_tokenizer_init=True, **ENGINE)
     assert generate(tp1, params) == tp2
+
+
+def test_beam_search_matches_tp1(model):
+    """Beam search forks and frees candidates every step (copy-on-write copies in each plan): tp = 2 returns
+    the same hypotheses, in the same order, as tp = 1 (which tests/engine/test_beam_search.py holds to
+    transformers)."""
+    checkpoint, _, llm = model
+    use_scheduler(llm, enable_prefix_caching=True)
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    tp1 = LLM(checkpoint.path, skip_tokenizer_init=True, **ENGINE)
+    expected = [[s.token_ids for s in o.sequences] for o in tp1.beam_search(PROMPTS[:3], params)]
+    assert [[s.token_ids for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], params)] == expected
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.config.scheduler.num_device_blocks
 
 
 def test_shard_arithmetic():
