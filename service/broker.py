@@ -71,8 +71,12 @@ class Keys:
 def connect(config: RedisConfig, blocking: bool = False) -> aioredis.Redis:
     """A client; a blocking one gets a socket timeout just above the block time."""
     timeout = config.block_ms / 1000 + 1.0 if blocking else _COMMAND_TIMEOUT_S
-    return aioredis.Redis.from_url(config.url, socket_timeout=timeout, socket_connect_timeout=_COMMAND_TIMEOUT_S,
-                                   protocol=2, decode_responses=False, **config.connection_options())
+    # A blocking pool: at its cap a command waits (up to the command timeout) for a free connection,
+    # where the default pool raises MaxConnectionsError at once and a burst of requests would get 503s.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.url, max_connections=config.max_connections, timeout=_COMMAND_TIMEOUT_S, socket_timeout=timeout,
+        socket_connect_timeout=_COMMAND_TIMEOUT_S, protocol=2, decode_responses=False, **config.connection_options())
+    return aioredis.Redis.from_pool(pool)
 
 
 async def ensure_group(client: aioredis.Redis, requests: str) -> None:

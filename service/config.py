@@ -31,6 +31,9 @@ class RedisConfig:
     prefix: str = spec("pagedserve", flag="--redis-prefix", help="key prefix, to share one Redis between deployments")
     # Blocking reads; their socket timeout is a little longer.
     block_ms: int = spec(1000, low=1, flag="--redis-block-ms", help="blocking-read time of the broker loops")
+    # A burst waits for a pooled connection instead of failing: redis-py's plain pool refuses at its cap.
+    max_connections: int = spec(64, low=1, high=10_000, flag="--redis-max-connections",
+                                help="connections per Redis client; more concurrent commands wait for one")
     # An ACL user (README, "Redis ACL user"); secrets, so they travel in the environment, never in argv.
     username: str | None = spec(None, flag="--redis-username", secret=True, help="Redis ACL user name")
     password: str | None = spec(None, flag="--redis-password", secret=True,

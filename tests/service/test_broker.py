@@ -1,11 +1,14 @@
-"""The Redis gateway broker against a real redis-server: shutdown never waits on a blocking read."""
+"""The Redis gateway broker against a real redis-server: shutdown never waits on a blocking read; a burst of
+submissions waits for pooled connections instead of failing."""
 from __future__ import annotations
 
 import asyncio
 import uuid
 
-from service.broker import RedisGatewayBroker
+from service.broker import Keys, RedisGatewayBroker, connect
 from service.config import RedisConfig
+from service.messages import RequestMsg, params_to_wire
+from engine import SamplingParams
 
 
 async def test_close_wakes_the_blocked_reader_at_once(redis_url: str) -> None:
@@ -17,3 +20,22 @@ async def test_close_wakes_the_blocked_reader_at_once(redis_url: str) -> None:
         await broker.start()
         await asyncio.sleep(0.05)  # the reader is inside its blocking XREAD now
         await asyncio.wait_for(broker.close(), 2.0)
+
+
+async def test_a_burst_beyond_the_pool_waits_for_connections(redis_url: str) -> None:
+    """256 submissions at once through a pool of 4 connections: every one lands (none refused for the
+    client-side cap, which the default pool answers with MaxConnectionsError)."""
+    config = RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=100, max_connections=4)
+    broker = RedisGatewayBroker(config)
+    await broker.start()
+    wire = params_to_wire(SamplingParams(max_tokens=1))
+    msgs = [RequestMsg(f"r{i}", [1, 2], wire, broker.gateway_id, 0.0, "m") for i in range(256)]
+    try:
+        await asyncio.gather(*(broker.submit(m) for m in msgs))
+        client = connect(config)
+        assert await client.xlen(Keys(config.prefix).requests("m")) == 256
+        await client.aclose()
+    finally:
+        for m in msgs:
+            broker.release(m.request_id)
+        await broker.close()
