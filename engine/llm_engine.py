@@ -36,7 +36,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config, model = resolve_config(config, partial(load_model, show_progress=config.show_progress))
+        load = partial(load_model, backend=config.attention_backend, show_progress=config.show_progress)
+        self.config, model = resolve_config(config, load)
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
         self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))

@@ -7,7 +7,6 @@ from torch import nn
 from cuda_ext import KernelOps
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import Linear
 from engine.resolved_config import ResolvedConfig
 
 
@@ -25,9 +24,6 @@ class ModelRunner:
                                      pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
         for i, attn in enumerate(model.attention_layers()):
             attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
-        for layer in model.modules():
-            if isinstance(layer, Linear):
-                layer.packed = ops.pack_linear(layer.weight, layer.bias)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:

@@ -36,7 +36,8 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
                    ) -> tuple[ResolvedConfig, M]:
     """Resolve ``config`` against its checkpoint and load the weights with ``load``: after the
     checks, so a bad config fails before a long load, and before the KV pools are sized, so
-    a memory fraction is a share of what the weights left free."""
+    a memory fraction is a share of what the weights left free (``load`` packs them for the
+    kernels too, so the packed copies are counted and the released unpacked ones are not)."""
     model_config = read_model_config(config.model or ensure_demo_model())
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device.type)
