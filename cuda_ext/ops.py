@@ -21,7 +21,8 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 @dataclass(slots=True, frozen=True)
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
-    fused_add_rms_norm, rotary_embedding, silu_and_mul (signatures in cuda_ext.reference), and
+    fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax (signatures in
+    cuda_ext.reference), and
     pack_linear: (weight, bias) -> the layer on the skinny GEMM op, or None to keep F.linear."""
 
     reshape_and_cache: Callable[..., None]
@@ -31,6 +32,7 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., torch.Tensor]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    row_argmax: Callable[[torch.Tensor], torch.Tensor]
     pack_linear: Callable[[torch.Tensor, torch.Tensor | None], PackedLinear | None]
 
 
@@ -53,6 +55,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         fused_add_rms_norm=module.fused_add_rms_norm,
         rotary_embedding=module.rotary_embedding,
         silu_and_mul=module.silu_and_mul,
+        row_argmax=module.row_argmax,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
     )
 

@@ -104,6 +104,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum of x [rows, n] (the first one; a NaN counts as the maximum), int64."""
+    return x.argmax(dim=-1)
+
+
 def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """[out, in] -> panels of ``panel`` output columns, zero-padded past ``out``. fp32:
     [ceil(out / panel), in, panel], panel p holding columns [p * panel, (p + 1) * panel) as

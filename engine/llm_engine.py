@@ -42,7 +42,7 @@ class LLMEngine:
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
         self.runner = ModelRunner(model, self.config, cuda_ext.load_ops(config.attention_backend))
         self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops.row_argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
 

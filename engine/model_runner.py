@@ -1,6 +1,9 @@
 """Turns a SchedulerOutput into one forward pass over the paged KV pool."""
 from __future__ import annotations
 
+from array import array
+from itertools import repeat
+
 import torch
 from torch import nn
 
@@ -47,35 +50,41 @@ class ModelRunner:
             self.ops.copy_blocks(self.kv_cache, _mapping(out.blocks_to_copy).to(self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """One pass over the seqs, one tensor per field; slots are computed vectorised, not per token."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        """One pass over the seqs into flat typed arrays, each wrapped as a tensor without a per-element
+        conversion (``torch.tensor`` of a list costs ~0.3 us an element). Slots go a block-run at a time
+        (``extend(range)``), so there is no per-token Python even in a long prefill."""
+        input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
+        query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
+        width = max(len(s.block_table) for s in scheduled)
+        bs = self.block_size
         for s in scheduled:
             end = s.start + s.num_new_tokens
-            input_ids += s.seq.token_ids[s.start:end]
-            positions += range(s.start, end)
-            query_lens.append(s.num_new_tokens)
+            input_ids.fromlist(s.seq.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            pos, table = s.start, s.block_table
+            while pos < end:  # the runs of consecutive slots, one per block touched
+                block, offset = divmod(pos, bs)
+                run = min(end - pos, bs - offset)
+                first = table[block] * bs + offset
+                slots.extend(range(first, first + run))
+                pos += run
+            query_start_loc.append(len(input_ids))
             seq_lens.append(end)
+            block_tables.fromlist(table)
+            block_tables.extend(repeat(0, width - len(table)))  # padding, never read
             if s.do_sample:
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(s.block_table) for s in scheduled)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in scheduled],
-                                    dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        qlens = torch.tensor(query_lens, dtype=torch.int32)
-        owner = torch.repeat_interleave(torch.arange(len(scheduled)), qlens)
-        slots = block_tables[owner, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        torch.cumsum(qlens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=self._dev(slots), block_tables=self._dev(block_tables),
-            seq_lens=self._dev(torch.tensor(seq_lens, dtype=torch.int32)), query_start_loc=self._dev(qsl),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-        ids = self._dev(torch.tensor(input_ids, dtype=torch.int64))
-        return ids, self._dev(pos), meta, self._dev(torch.tensor(sample_rows, dtype=torch.int64))
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32).view(len(scheduled), width),
+            seq_lens=self._tensor(seq_lens, torch.int32), query_start_loc=self._tensor(query_start_loc, torch.int32),
+            max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                self._tensor(sample_rows, torch.int64))
+
+    def _tensor(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """The array's memory as a tensor (it keeps the array alive), on the device."""
+        return self._dev(torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

@@ -15,6 +15,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
@@ -29,6 +30,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm_cpu);
   m.impl("rotary_embedding", &pagedserve::rotary_embedding_cpu);
   m.impl("silu_and_mul", &pagedserve::silu_and_mul_cpu);
+  m.impl("row_argmax", &pagedserve::row_argmax_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
 }

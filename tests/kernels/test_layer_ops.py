@@ -96,3 +96,18 @@ def test_bad_arguments_are_rejected(ext_ops):
         ext_ops.rotary_embedding(torch.randn(2, 3, 8), torch.tensor([0, 10]), table, table)
     with pytest.raises(RuntimeError, match="positions must be int64"):
         ext_ops.rotary_embedding(torch.randn(2, 3, 8), torch.tensor([0, 1], dtype=torch.int32), table, table)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, n", [(1, 32000), (64, 32000), (5, 37), (3, 1), (7, 151936)])
+def test_row_argmax_matches_torch(ext_ops, device, rows, n):
+    x = randn(rows, n, seed=rows + n, dtype=torch.float32, device=device)
+    x[0, n // 2] = x[0, n - 1] = x[0].max() + 1  # a tie: the first wins
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, n // 3] = float("nan")
+        x[2, -1] = float("nan")  # the first NaN wins
+    assert torch.equal(ext_ops.row_argmax(x), x.argmax(dim=-1))
+    strided = torch.cat([x, x], dim=1)[:, n:]
+    assert torch.equal(ext_ops.row_argmax(strided), x.argmax(dim=-1))
+    assert torch.equal(ext_ops.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))

@@ -2,6 +2,7 @@
 // registration under the CUDA dispatch key. Only c10 core headers, so it also
 // compiles against a CPU-only torch (the nvcc check syntax-checks it).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -127,6 +128,12 @@ at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
   return out;
 }
 
+// torch's own argmax is already parallel on the GPU.
+at::Tensor row_argmax_cuda(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "row_argmax: x must be [rows, n > 0], got ", x.sizes());
+  return at::argmax(x, -1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
@@ -137,6 +144,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
   m.impl("rotary_embedding", &rotary_embedding_cuda);
   m.impl("silu_and_mul", &silu_and_mul_cuda);
+  m.impl("row_argmax", &row_argmax_cuda);
 }
 
 }  // namespace pagedserve
