@@ -42,7 +42,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from loadtest.profile_step import instrument
+from loadtest.profile_step import StepTimers, instrument
 
 MODELS = {
     "llama-19m": dict(arch="llama", dtype="float32", config=dict(
@@ -79,6 +79,7 @@ class Result:
     detail: str = ""
     config: dict = field(default_factory=dict)  # the peer's settings (and those tried, with their tok/s)
     step_ms: dict[str, float] = field(default_factory=dict)  # pagedserve: mean ms per step, by part
+    step_cpu_ms: dict[str, float] = field(default_factory=dict)  # the same in process CPU time (all threads)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -118,13 +119,12 @@ def pagedserve_config(threads: int, backend: str) -> dict:
 
 
 def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str
-                     ) -> tuple[tuple[float, float], dict[str, float]]:
-    """(wall, CPU) seconds of the workload after a warm-up, and the mean ms per step by part."""
+                     ) -> tuple[tuple[float, float], StepTimers]:
+    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
     llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(threads, backend))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
     timers = instrument(llm.engine)
-    seconds = timed(lambda: _run_pagedserve(llm, requests))
-    return seconds, {part: round(ms, 3) for part, ms in timers.breakdown().items()}
+    return timed(lambda: _run_pagedserve(llm, requests)), timers
 
 
 def _run_pagedserve(llm: LLM, requests: list[Request]) -> None:
@@ -192,18 +192,20 @@ def run_model(name: str, args, results: list[Result]) -> None:
                   f"mean output {tokens / len(requests):.0f}", flush=True)
 
             def record(system: str, seconds: tuple[float, float], detail: str, config: dict,
-                       step_ms: dict[str, float] | None = None) -> None:
+                       timers: StepTimers | None = None) -> None:
                 wall, cpu = seconds
-                results.append(Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail,
-                                      config, step_ms or {}))
+                result = Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail, config)
+                if timers is not None:
+                    result.step_ms, result.step_cpu_ms = (_rounded(timers.breakdown(cpu=c)) for c in (False, True))
+                results.append(result)
                 print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
                       f"CPU-s) {detail}", flush=True)
-                if step_ms:
-                    print("   per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items()), flush=True)
+                for clock, ms in (("wall", result.step_ms), ("CPU", result.step_cpu_ms)) if timers else ():
+                    print(f"   per step ({clock} ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
 
-            seconds, step_ms = bench_pagedserve(path, requests, args.threads, args.backend)
+            seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend)
             record("pagedserve", seconds, f"backend={args.backend}", pagedserve_config(args.threads, args.backend),
-                   step_ms)
+                   timers)
             if hf_model is None and not (args.skip_hf_static and args.skip_hf_continuous):
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                     path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
@@ -231,6 +233,10 @@ def run_model(name: str, args, results: list[Result]) -> None:
                             max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
                             attn_implementation="sdpa", warmed_up=True,
                             tried_tok_s={p: round(tokens / w, 1) for p, (w, _) in runs.items()}))
+
+
+def _rounded(ms: dict[str, float]) -> dict[str, float]:
+    return {part: round(v, 3) for part, v in ms.items()}
 
 
 def summarize(results: list[Result]) -> list[dict]:

@@ -13,7 +13,9 @@ times ``--steps`` decode steps. Per step, in ms:
 * other: the rest of ``LLMEngine.step`` (outputs, the runner's logits row pick, ...)
 
 "Python overhead" is the step's wall time minus the model's (forward + LM head): the time the
-engine spends outside the model. ``instrument`` is reused by ``bench_offline`` for its breakdown.
+engine spends outside the model. Each part is also measured in process CPU time (all threads): on a
+shared machine a descheduled process inflates wall times, while the CPU time of the single-threaded
+Python parts stays what they cost. ``instrument`` is reused by ``bench_offline`` for its breakdown.
 """
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ _TIMED = ("step", "scheduler", "prepare", "model", "gemm", "attention", "sampler
 
 @dataclass(slots=True)
 class StepTimers:
-    """Accumulated wall seconds per timed part; ``breakdown`` turns them into ms per step."""
+    """Accumulated wall and process-CPU seconds per timed part; ``breakdown`` turns them into ms per step."""
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TIMED, 0.0))
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TIMED, 0.0))
     steps: int = 0
     sync: Callable[[], None] | None = None  # a CUDA device's synchronize, so kernel time lands in its part
 
@@ -49,22 +52,20 @@ class StepTimers:
         fn = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self.sync is not None:
                     self.sync()
                 self.seconds[part] += time.perf_counter() - start
+                self.cpu_seconds[part] += time.process_time() - cpu_start
         setattr(owner, name, timed)
 
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(_TIMED, 0.0)
-        self.steps = 0
-
-    def breakdown(self) -> dict[str, float]:
-        """ms per step: gemm, attention, model_other, sampler, scheduler, prepare, other, step, python_overhead."""
-        ms = {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
+    def breakdown(self, cpu: bool = False) -> dict[str, float]:
+        """ms per step (wall, or process CPU time with ``cpu``): gemm, attention, model_other, sampler,
+        scheduler, prepare, other, step, python_overhead."""
+        ms = {k: 1e3 * v / max(1, self.steps) for k, v in (self.cpu_seconds if cpu else self.seconds).items()}
         outside = ms["scheduler"] + ms["prepare"] + ms["model"] + ms["sampler"]
         return {"gemm": ms["gemm"], "attention": ms["attention"],
                 "model_other": ms["model"] - ms["gemm"] - ms["attention"], "sampler": ms["sampler"],
@@ -133,14 +134,14 @@ def main() -> None:
                                         enable_prefix_caching=False, show_progress=False))
         timers = steady_decode(engine, args.num_seqs, args.prompt_len, args.steps,
                                MODELS[args.model]["config"]["vocab_size"])
-    result = timers.breakdown()
+    wall, cpu = timers.breakdown(), timers.breakdown(cpu=True)
     print(f"{args.model}, {args.num_seqs} decoding sequences, {args.threads} threads, {args.steps} steps "
-          f"({args.num_seqs * 1e3 / result['step']:.0f} tok/s):")
-    for part, ms in result.items():
-        print(f"  {part:<16} {ms:7.3f} ms/step")
+          f"({args.num_seqs * 1e3 / wall['step']:.0f} tok/s); ms per step, wall and process CPU time:")
+    for part in wall:
+        print(f"  {part:<16} {wall[part]:8.3f} {cpu[part]:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ms_per_step": result}, f, indent=2)
+            json.dump({"args": vars(args), "ms_per_step": wall, "cpu_ms_per_step": cpu}, f, indent=2)
 
 
 if __name__ == "__main__":
