@@ -56,22 +56,15 @@ class ModelRunner:
         input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
         query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
         width = max(len(s.block_table) for s in scheduled)
-        bs = self.block_size
         for s in scheduled:
             end = s.start + s.num_new_tokens
             input_ids.fromlist(s.seq.token_ids[s.start:end])
             positions.extend(range(s.start, end))
-            pos, table = s.start, s.block_table
-            while pos < end:  # the runs of consecutive slots, one per block touched
-                block, offset = divmod(pos, bs)
-                run = min(end - pos, bs - offset)
-                first = table[block] * bs + offset
-                slots.extend(range(first, first + run))
-                pos += run
+            _append_slots(slots, s.block_table, s.start, end, self.block_size)
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-            block_tables.fromlist(table)
-            block_tables.extend(repeat(0, width - len(table)))  # padding, never read
+            block_tables.fromlist(s.block_table)
+            block_tables.extend(repeat(0, width - len(s.block_table)))  # padding, never read
             if s.do_sample:
                 sample_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata(
@@ -88,6 +81,17 @@ class ModelRunner:
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+
+
+def _append_slots(slots: array, table: list[int], start: int, end: int, block_size: int) -> None:
+    """The slots of positions [start, end), one run of consecutive slots per block touched."""
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        run = min(end - pos, block_size - offset)
+        first = table[block] * block_size + offset
+        slots.extend(range(first, first + run))
+        pos += run
 
 
 def _new_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
