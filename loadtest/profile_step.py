@@ -15,7 +15,8 @@ times ``--steps`` decode steps. Per step, in ms:
 "Python overhead" is the step's wall time minus the model's (forward + LM head): the time the
 engine spends outside the model. Each part is also measured in process CPU time (all threads): on a
 shared machine a descheduled process inflates wall times, while the CPU time of the single-threaded
-Python parts stays what they cost. ``instrument`` is reused by ``bench_offline`` for its breakdown.
+Python parts stays what they cost (with ``--threads 1``: with more, the pool's idle threads spin
+during the Python parts and count too). ``instrument`` is reused by ``bench_offline`` for its breakdown.
 """
 from __future__ import annotations
 
