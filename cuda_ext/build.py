@@ -24,8 +24,10 @@ import torch
 from cuda_ext.ops import is_built
 
 CSRC = Path(__file__).parent / "csrc"
-CPU_SOURCES = ("registration.cpp", "cpu/cache_ops.cpp", "cpu/attention.cpp", "cpu/skinny_gemm.cpp")
-CUDA_SOURCES = ("cuda/bindings.cpp", "cuda/cache_kernels.cu", "cuda/attention_kernels.cu")
+CPU_SOURCES = ("registration.cpp", "cpu/cache_ops.cpp", "cpu/attention.cpp", "cpu/skinny_gemm.cpp", "cpu/layer_ops.cpp",
+               "cpu/argmax.cpp")
+CUDA_SOURCES = ("cuda/bindings.cpp", "cuda/cache_kernels.cu", "cuda/attention_kernels.cu",
+                "cuda/layer_kernels.cu")
 EXTENSION_NAME = "pagedserve_kernels"
 PREBUILT_ENV = "PAGEDSERVE_KERNELS_LIB"
 

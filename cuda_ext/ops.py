@@ -1,4 +1,4 @@
-"""The four KV-cache ops and the linear-layer packer behind one object, compiled or pure-torch."""
+"""The four KV-cache ops, the fused layer ops and the linear-layer packer behind one object, compiled or pure-torch."""
 
 from __future__ import annotations
 
@@ -20,13 +20,19 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 
 @dataclass(slots=True, frozen=True)
 class KernelOps:
-    """reshape_and_cache, paged_attention, copy_blocks, swap_blocks (signatures in cuda_ext.reference),
-    and pack_linear: (weight, bias) -> the layer on the skinny GEMM op, or None to keep F.linear."""
+    """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
+    fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax (signatures in
+    cuda_ext.reference), and
+    pack_linear: (weight, bias) -> the layer on the skinny GEMM op, or None to keep F.linear."""
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., None]
     copy_blocks: Callable[..., None]
     swap_blocks: Callable[..., None]
+    fused_add_rms_norm: Callable[..., torch.Tensor]
+    rotary_embedding: Callable[..., None]
+    silu_and_mul: Callable[..., torch.Tensor]
+    row_argmax: Callable[[torch.Tensor], torch.Tensor]
     pack_linear: Callable[[torch.Tensor, torch.Tensor | None], PackedLinear | None]
 
 
@@ -46,6 +52,10 @@ def load_ops(backend: str = "ext") -> KernelOps:
         paged_attention=module.paged_attention,
         copy_blocks=module.copy_blocks,
         swap_blocks=module.swap_blocks,
+        fused_add_rms_norm=module.fused_add_rms_norm,
+        rotary_embedding=module.rotary_embedding,
+        silu_and_mul=module.silu_and_mul,
+        row_argmax=module.row_argmax,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
     )
 

@@ -80,6 +80,35 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     dst[block_mapping[:, 1].to(dst.device)] = rows.to(dst.device)
 
 
+def fused_add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, in its dtype); returns RMSNorm(residual) * weight, Hugging Face's
+    numerics: normalise in fp32, cast to the dtype, then scale."""
+    residual.add_(x)
+    h = residual.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [T, H, D] in place, neox layout (halves [x1 | x2] -> [x1 c - x2 s | x2 c + x1 s]),
+    by the angles of ``positions`` [T]; cos / sin are [max_position, D / 2] tables in x's dtype.
+    Each product is rounded to the dtype, as ``x * cos + rotate_half(x) * sin`` rounds."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] on the last dim."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum of x [rows, n] (the first one; a NaN counts as the maximum), int64."""
+    return x.argmax(dim=-1)
+
+
 def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """[out, in] -> panels of ``panel`` output columns, zero-padded past ``out``. fp32:
     [ceil(out / panel), in, panel], panel p holding columns [p * panel, (p + 1) * panel) as

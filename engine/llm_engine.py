@@ -37,7 +37,7 @@ class LLMEngine:
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops.row_argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
 

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import glob
 import os
+from collections import Counter
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+import cuda_ext
 from engine.distributed.parallel_state import TensorParallel
-from engine.layers.linear import Shard
+from engine.layers.activation import SiluAndMul
+from engine.layers.linear import Linear, Shard
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine.models import model_class
 from engine.models.config import ModelConfig
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = True,
-               tp: TensorParallel | None = None) -> nn.Module:
-    """Build the model (this rank's shard of it) without initialising it (meta device), then fill every
-    parameter from the checkpoint."""
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str = "ext",
+               show_progress: bool = True, tp: TensorParallel | None = None) -> nn.Module:
+    """Build the model (this rank's shard of it) without initialising it (meta device), fill every
+    parameter from the checkpoint, then put it on ``backend``'s kernels (``use_kernels``)."""
     cls = model_class(cfg.architecture)
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
@@ -33,7 +38,26 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, show_
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    use_kernels(model, cuda_ext.load_ops(backend))
     return model.eval()
+
+
+_FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, SiluAndMul)
+
+
+def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
+    """Hands ``ops`` to the fused-op layers and packs every linear layer for ``ops``' GEMM. Part of
+    the load, so the KV pool is sized after the packed copies exist; the unpacked weight of a
+    packed layer is then released (left on the meta device, shape intact), unless another module
+    shares it (tied embeddings)."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for layer in model.modules():
+        if isinstance(layer, _FUSED_OP_LAYERS):
+            layer.ops = ops
+        if isinstance(layer, Linear):
+            layer.pack(ops)
+            if layer.packed is not None and uses[id(layer.weight)] == 1:
+                layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)
 
 
 def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[str]:

@@ -3,7 +3,9 @@ the block moves and the flattened batch) and ``run`` (on this rank's device and 
 parallelism rank 0 plans and every rank runs the same plan (engine/distributed/executor.py)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -11,7 +13,6 @@ from torch import nn
 from cuda_ext import KernelOps
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import Linear
 from engine.resolved_config import ResolvedConfig
 
 
@@ -52,9 +53,6 @@ class ModelRunner:
                                      pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
         for i, attn in enumerate(attention):
             attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
-        for layer in model.modules():
-            if isinstance(layer, Linear):
-                layer.pack(ops)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Moves blocks, runs the model; returns fp32 logits for the ``do_sample`` seqs, in schedule order."""
@@ -91,38 +89,49 @@ class ModelRunner:
             self.ops.copy_blocks(self.kv_cache, plan.copies.to(self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """One pass over the seqs, one host tensor per field; slots are computed vectorised, not per token."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        """One pass over the seqs into flat typed arrays, each wrapped as a tensor without a per-element
+        conversion (``torch.tensor`` of a list costs ~0.3 us an element). Slots go a block-run at a time
+        (``extend(range)``), so there is no per-token Python even in a long prefill."""
+        input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
+        query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
+        width = max(len(s.block_table) for s in scheduled)
         for s in scheduled:
             end = s.start + s.num_new_tokens
-            input_ids += s.seq.token_ids[s.start:end]
-            positions += range(s.start, end)
-            query_lens.append(s.num_new_tokens)
+            input_ids.fromlist(s.seq.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            _append_slots(slots, s.block_table, s.start, end, self.block_size)
+            query_start_loc.append(len(input_ids))
             seq_lens.append(end)
+            block_tables.fromlist(s.block_table)
+            block_tables.extend(repeat(0, width - len(s.block_table)))  # padding, never read
             if s.do_sample:
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(s.block_table) for s in scheduled)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in scheduled],
-                                    dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        qlens = torch.tensor(query_lens, dtype=torch.int32)
-        owner = torch.repeat_interleave(torch.arange(len(scheduled)), qlens)
-        slots = block_tables[owner, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        torch.cumsum(qlens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-        ids = torch.tensor(input_ids, dtype=torch.int64)
-        return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.int64)
+            slot_mapping=_host_tensor(slots, torch.int64),
+            block_tables=_host_tensor(block_tables, torch.int32).view(len(scheduled), width),
+            seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
+            max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
+        return (_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
+                _host_tensor(sample_rows, torch.int64))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+
+
+def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """The array's memory as a host tensor (it keeps the array alive); ``run`` moves it to the device."""
+    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
+def _append_slots(slots: array, table: list[int], start: int, end: int, block_size: int) -> None:
+    """The slots of positions [start, end), one run of consecutive slots per block touched."""
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        run = min(end - pos, block_size - offset)
+        first = table[block] * block_size + offset
+        slots.extend(range(first, first + run))
+        pos += run
 
 
 def _new_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -37,8 +37,9 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
                    tp: TensorParallel | None = None) -> tuple[ResolvedConfig, M]:
     """Resolve ``config`` against its checkpoint and load the weights with ``load``: after the
     checks, so a bad config fails before a long load, and before the KV pools are sized, so
-    a memory fraction is a share of what the weights left free. With tensor parallelism every rank
-    calls this (``tp``) and they settle on block counts every rank's pool can hold."""
+    a memory fraction is a share of what the weights left free (``load`` packs them for the
+    kernels too, so the packed copies are counted and the released unpacked ones are not). With tensor
+    parallelism every rank calls this (``tp``) and they settle on block counts every rank's pool can hold."""
     tp = tp or TensorParallel()
     model_config = read_model_config(config.model or ensure_demo_model())
     device = tp.device(config.device)

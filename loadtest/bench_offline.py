@@ -19,8 +19,12 @@ and generates its longest output; only the requested tokens count as useful.
 
 Every peer gets its best configuration: static batching tries ``--batch-sizes``, continuous batching
 ``--hf-page-sizes`` (with a KV cache sized to hold every request at once, a warm-up batch before timing and
-no automatic attention switch; see ``hf_continuous_config``); the best is kept and its configuration is
-stored in the result's ``detail``.
+no automatic attention switch; see ``hf_continuous_config``); the best is kept, and each result stores its
+configuration (``config``: the settings, and every setting tried with its throughput) and a one-line ``detail``.
+
+pagedserve's result also carries ``step_ms``, the mean time per engine step in GEMM, attention, the rest of
+the model, sampler, scheduler, input preparation and other (``loadtest.profile_step``'s timers, ~1 us per
+timed call), so a change in throughput can be traced to its part.
 """
 from __future__ import annotations
 
@@ -32,12 +36,13 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import transformers
 
 from engine import LLM, SamplingParams
+from loadtest.profile_step import StepTimers, instrument
 
 MODELS = {
     "llama-19m": dict(arch="llama", dtype="float32", config=dict(
@@ -72,6 +77,9 @@ class Result:
     tokens_per_cpu_s: float
     output_tokens: int
     detail: str = ""
+    config: dict = field(default_factory=dict)  # the peer's settings (and those tried, with their tok/s)
+    step_ms: dict[str, float] = field(default_factory=dict)  # pagedserve: mean ms per step, by part
+    step_cpu_ms: dict[str, float] = field(default_factory=dict)  # the same in process CPU time (all threads)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -105,13 +113,18 @@ def write_checkpoint(name: str, folder: str) -> str:
     return folder
 
 
-def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str,
-                     tensor_parallel_size: int = 1) -> tuple[float, float]:
-    llm = LLM(path, skip_tokenizer_init=True, attention_backend=backend, num_threads=threads,
-              max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              tensor_parallel_size=tensor_parallel_size)
+def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1) -> dict:
+    return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
+                enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size)
+
+
+def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1
+                     ) -> tuple[tuple[float, float], StepTimers]:
+    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
+    llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(threads, backend, tensor_parallel_size))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
-    return timed(lambda: _run_pagedserve(llm, requests))
+    timers = instrument(llm.engine)
+    return timed(lambda: _run_pagedserve(llm, requests)), timers
 
 
 def _run_pagedserve(llm: LLM, requests: list[Request]) -> None:
@@ -178,15 +191,22 @@ def run_model(name: str, args, results: list[Result]) -> None:
             print(f"-- {workload}: {len(requests)} requests, mean input {mean_in:.0f}, "
                   f"mean output {tokens / len(requests):.0f}", flush=True)
 
-            def record(system: str, seconds: tuple[float, float], detail: str = "") -> None:
+            def record(system: str, seconds: tuple[float, float], detail: str, config: dict,
+                       timers: StepTimers | None = None) -> None:
                 wall, cpu = seconds
-                results.append(Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail))
+                result = Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail, config)
+                if timers is not None:
+                    result.step_ms, result.step_cpu_ms = (_rounded(timers.breakdown(cpu=c)) for c in (False, True))
+                results.append(result)
                 print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
                       f"CPU-s) {detail}", flush=True)
+                for clock, ms in (("wall", result.step_ms), ("CPU", result.step_cpu_ms)) if timers else ():
+                    print(f"   per step ({clock} ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
 
-            record("pagedserve", bench_pagedserve(path, requests, args.threads, args.backend,
-                                                  args.tensor_parallel_size),
-                   f"backend={args.backend}, tensor_parallel_size={args.tensor_parallel_size}")
+            tp = args.tensor_parallel_size
+            seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp)
+            record("pagedserve", seconds, f"backend={args.backend}, tensor_parallel_size={tp}",
+                   pagedserve_config(args.threads, args.backend, tp), timers)
             if hf_model is None and not (args.skip_hf_static and args.skip_hf_continuous):
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                     path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
@@ -196,7 +216,9 @@ def run_model(name: str, args, results: list[Result]) -> None:
                     runs[b] = timed(lambda: run_hf_static(hf_model, requests, b))
                     print(f"   (hf-static batch {b}: {tokens / runs[b][0]:.1f} tok/s)", flush=True)
                 best = min(runs, key=lambda b: runs[b][0])
-                record("hf-static", runs[best], f"best batch size {best} of {args.batch_sizes}")
+                record("hf-static", runs[best], f"best batch size {best} of {args.batch_sizes}",
+                       dict(batch_size=best, attn_implementation="sdpa", left_padding=True,
+                            tried_tok_s={b: round(tokens / w, 1) for b, (w, _) in runs.items()}))
             if not args.skip_hf_continuous:
                 runs = {}
                 for page_size in args.hf_page_sizes:
@@ -207,7 +229,15 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 record("hf-continuous", runs[best], f"best page size {best} of {args.hf_page_sizes}; "
                        f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
                        f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, "
-                       "sdpa, warmed up")
+                       "sdpa, warmed up",
+                       dict(page_size=best, num_blocks=config.num_blocks, max_batch_tokens=config.max_batch_tokens,
+                            max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
+                            attn_implementation="sdpa", warmed_up=True,
+                            tried_tok_s={p: round(tokens / w, 1) for p, (w, _) in runs.items()}))
+
+
+def _rounded(ms: dict[str, float]) -> dict[str, float]:
+    return {part: round(v, 3) for part, v in ms.items()}
 
 
 def summarize(results: list[Result]) -> list[dict]:

@@ -103,4 +103,47 @@ inline void check_mapping_range(const int64_t* m, int64_t pairs, int64_t src_row
                 "block_mapping row ", i, " (", m[2 * i], ", ", m[2 * i + 1], ") out of range");
 }
 
+// Decoder-layer ops: [tokens, n] rows with a dense last dim (rows may be strided).
+inline void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name, " must be [num_tokens, n] with a dense last dim, got ",
+              t.sizes(), " strides ", t.strides());
+}
+
+inline void check_add_rms_norm(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "fused_add_rms_norm", "x");
+  check_rows(residual, "fused_add_rms_norm", "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: residual ", residual.sizes(), " and x ", x.sizes(),
+              " differ in shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "fused_add_rms_norm: weight must be contiguous [", x.size(1), "], got ", weight.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual, x and weight must share a dtype");
+  check_same_device(residual, x, "fused_add_rms_norm");
+  check_same_device(weight, x, "fused_add_rms_norm");
+}
+
+// x: [tokens, heads, head_size] (the q|k view of a fused projection: rows and heads strided);
+// cos / sin: dense [max_position, head_size / 2] in x's dtype.
+inline void check_rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_embedding: x must be [num_tokens, num_heads, even head_size] with a dense last dim, got ",
+              x.sizes());
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
+              "rotary_embedding: positions must be int64 [num_tokens=", x.size(0), "]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == x.size(2) / 2 && t->is_contiguous(),
+                "rotary_embedding: cos / sin must be contiguous [max_position, ", x.size(2) / 2, "], got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "rotary_embedding: cos / sin dtype must match x");
+    check_same_device(*t, x, "rotary_embedding");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "rotary_embedding: cos and sin differ in shape");
+  check_same_device(positions, x, "rotary_embedding");
+}
+
+inline void check_silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul", "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must be [num_tokens, 2 * d], got ", x.sizes());
+}
+
 }  // namespace pagedserve

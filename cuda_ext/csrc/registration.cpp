@@ -12,6 +12,10 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
@@ -23,6 +27,10 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_attention", &pagedserve::paged_attention_cpu);
   m.impl("copy_blocks", &pagedserve::copy_blocks_cpu);
   m.impl("swap_blocks", &pagedserve::swap_blocks_cpu);
+  m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm_cpu);
+  m.impl("rotary_embedding", &pagedserve::rotary_embedding_cpu);
+  m.impl("silu_and_mul", &pagedserve::silu_and_mul_cpu);
+  m.impl("row_argmax", &pagedserve::row_argmax_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
 }

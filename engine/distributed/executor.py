@@ -41,7 +41,7 @@ _JOIN_S = 10.0
 def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner | ModelExecutor]:
     """Resolve ``config``, load the model (this rank's shard) and return what runs the steps."""
     ops = cuda_ext.load_ops(config.attention_backend)  # built here, once, before any worker loads it
-    load = partial(load_model, show_progress=config.show_progress)
+    load = partial(load_model, backend=config.attention_backend, show_progress=config.show_progress)
     if config.tensor_parallel_size == 1:
         resolved, model = resolve_config(config, load)
         return resolved, ModelRunner(model, resolved, ops)
@@ -82,6 +82,7 @@ class ModelExecutor:
 
     def __init__(self, runner: ModelRunner, tp: TensorParallel, workers: list[BaseProcess], watchdog: Watchdog) -> None:
         self.runner, self.tp, self.workers = runner, tp, workers
+        self.ops = runner.ops  # rank 0's kernels, for the sampler
         # Also when the engine is dropped or the interpreter exits: the next engine may form a group.
         self.shutdown = weakref.finalize(self, _stop_group, tp, workers, watchdog)
 

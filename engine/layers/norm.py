@@ -1,18 +1,26 @@
-"""RMSNorm with Hugging Face's numerics (normalise in fp32, cast, then scale)."""
+"""RMSNorm with Hugging Face's numerics (normalise in fp32, cast, then scale), optionally fused with the residual add."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cuda_ext
+
 
 class RMSNorm(nn.Module):
+    # The pure-torch ops until the loader hands the layer the compiled ones.
+    ops: cuda_ext.KernelOps = cuda_ext.load_ops("torch")
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with ``residual``: ``residual += x`` in place, then norm(residual) (one fused op)."""
+        if residual is not None:
+            return self.ops.fused_add_rms_norm(residual, x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op, bit-equal to HF's formula in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

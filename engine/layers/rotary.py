@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+import cuda_ext
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies, with the scalings Llama-family checkpoints use."""
@@ -34,25 +36,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table; gathered once per step for all layers (positions are shared)."""
+    """Precomputed cos/sin tables; ``rotary(positions, x)`` rotates x in place (one op per call)."""
+
+    # The pure-torch op until the loader hands the layer the compiled ones.
+    ops: cuda_ext.KernelOps = cuda_ext.load_ops("torch")
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
                  device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         # Plain attributes on an explicit device: the model is built on "meta"
-        # and these tables are derived state, not weights.
+        # and these tables are derived state, not weights. One half each: the
+        # neox layout repeats the angles over both halves of a head.
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device, dtype)
-        self.sin = emb.sin().to(device, dtype)
+        self.cos = freqs.cos().to(device, dtype)
+        self.sin = freqs.sin().to(device, dtype)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, D], ready to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; the Hugging Face formula, op for op, so fp32 results match exactly."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotates x [T, H, D] (e.g. the q|k view of a fused projection) in place by token t's position,
+        Hugging Face's ``x * cos + rotate_half(x) * sin`` with its rounding."""
+        self.ops.rotary_embedding(x, positions, self.cos, self.sin)

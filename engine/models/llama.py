@@ -1,6 +1,9 @@
 """Llama family decoder: Llama 2/3, Mistral (no sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -9,11 +12,11 @@ from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # this step's (cos, sin), shared by all layers
+Rope = Callable[[torch.Tensor], None]  # rotates [T, H, D] in place at this step's positions, for every layer
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +42,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        rope(qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -64,9 +68,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): each norm adds the
+        pending output into the residual in place, fused with the normalisation."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h = self.input_layernorm(h, residual)
+        h = self.self_attn(rope, h, meta)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -79,11 +91,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
+        h, residual = self.embed_tokens(input_ids), None
+        rope = partial(self.rotary, positions)
         for layer in self.layers:
-            h = layer(rope, h, meta)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual, meta)
+        return self.norm(h, residual)
 
 
 class LlamaForCausalLM(nn.Module):

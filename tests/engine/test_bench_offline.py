@@ -25,3 +25,20 @@ def test_summary_ratios():
     (row,) = summarize(results)
     assert row["ratio_vs_hf-static"] == 3.0 and row["ratio_vs_hf-continuous"] == 2.0
     assert row["cpu_ratio_vs_hf-static"] == 1.5 and row["cpu_ratio_vs_hf-continuous"] == 3.0
+
+
+def test_step_breakdown_accounts_for_every_step(llama_checkpoint):
+    from engine import LLM, SamplingParams
+    from loadtest.profile_step import instrument
+
+    llm = LLM(llama_checkpoint.path, skip_tokenizer_init=True, show_progress=False)
+    timers = instrument(llm.engine)
+    outs = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7]],
+                        sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]  # instrumenting changes no result
+    ms = timers.breakdown()
+    assert timers.steps == 5  # one prefill step (with its first token), then 4 decode steps
+    parts = ("gemm", "attention", "model_other", "sampler", "scheduler", "prepare", "other")
+    assert all(ms[p] >= 0 for p in parts) and ms["gemm"] > 0 and ms["attention"] > 0
+    assert sum(ms[p] for p in parts) == pytest.approx(ms["step"])
+    assert ms["python_overhead"] == pytest.approx(ms["step"] - ms["gemm"] - ms["attention"] - ms["model_other"])

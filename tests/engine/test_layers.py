@@ -1,4 +1,5 @@
-"""RoPE variants against transformers' own initialisers, and config parsing of both rope formats."""
+"""RoPE variants against transformers' own initialisers, config parsing of both rope formats, and the load's
+packing of linear layers."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+import cuda_ext
 from engine.layers.rotary import rope_inv_freq
 from engine.models.llama import _rope_params
 
@@ -36,3 +38,29 @@ def test_legacy_rope_config_keys():
 def test_unknown_rope_scaling_is_rejected():
     with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_load_packs_linears_and_releases_unpacked_weights(tmp_path, arch):
+    from engine.layers.linear import Linear
+    from engine.layers.norm import RMSNorm
+    from engine.loader import load_model
+    from engine.models.config import read_model_config
+
+    from .conftest import build_checkpoint
+
+    checkpoint = build_checkpoint(arch, tmp_path)
+    ops = cuda_ext.load_ops("ext")
+    model = load_model(read_model_config(checkpoint.path), torch.device("cpu"), torch.float32, "ext", False)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == (arch == "qwen2")
+    for m in linears:  # released, shape kept; a tied LM head keeps the embedding's
+        assert m.weight.shape == (m.out_features, m.in_features)
+        assert m.weight.device.type == ("cpu" if m is model.lm_head and tied else "meta")
+    assert all(m.ops == ops for m in model.modules() if isinstance(m, RMSNorm))
+    # The packed layers compute what the checkpoint's weights do.
+    x = torch.randn(3, model.lm_head.in_features)
+    hf_head = checkpoint.hf_model.lm_head.weight
+    torch.testing.assert_close(model.lm_head(x), x @ hf_head.t(), rtol=1e-5, atol=1e-5)

@@ -2,6 +2,8 @@
 // registration under the CUDA dispatch key. Only c10 core headers, so it also
 // compiles against a CPU-only torch (the nvcc check syntax-checks it).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/argmax.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -96,6 +98,42 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
                "swap_blocks");
 }
 
+at::Tensor fused_add_rms_norm_cuda(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_add_rms_norm(residual, x, weight);
+  const c10::DeviceGuard guard(x.device());
+  auto out = at::empty(x.sizes(), x.options());
+  const cuda::AddRmsNormArgs args{residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size(0),
+                                  residual.stride(0), x.stride(0), static_cast<int>(x.size(1)),
+                                  static_cast<float>(eps)};
+  check_cuda(cuda::fused_add_rms_norm(args, dtype_of(x), current_stream(x.device())), "fused_add_rms_norm");
+  return out;
+}
+
+// Positions are trusted here (checking them would sync); the CPU op checks them.
+void rotary_embedding_cuda(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rotary(x, positions, cos, sin);
+  const c10::DeviceGuard guard(x.device());
+  const auto pos = positions.contiguous();
+  const cuda::RotaryArgs args{x.data_ptr(), pos.data_ptr<int64_t>(), cos.data_ptr(), sin.data_ptr(), x.size(0),
+                              x.stride(0), x.stride(1), static_cast<int>(x.size(1)), static_cast<int>(x.size(2) / 2)};
+  check_cuda(cuda::rotary_embedding(args, dtype_of(x), current_stream(x.device())), "rotary_embedding");
+}
+
+at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
+  check_silu_and_mul(x);
+  const c10::DeviceGuard guard(x.device());
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  const cuda::SiluAndMulArgs args{x.data_ptr(), out.data_ptr(), x.size(0), x.stride(0), x.size(1) / 2};
+  check_cuda(cuda::silu_and_mul(args, dtype_of(x), current_stream(x.device())), "silu_and_mul");
+  return out;
+}
+
+// torch's own argmax is already parallel on the GPU.
+at::Tensor row_argmax_cuda(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "row_argmax: x must be [rows, n > 0], got ", x.sizes());
+  return at::argmax(x, -1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
@@ -103,6 +141,10 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("paged_attention", &paged_attention_cuda);
   m.impl("copy_blocks", &copy_blocks_cuda);
   m.impl("swap_blocks", &swap_blocks_cuda);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
+  m.impl("rotary_embedding", &rotary_embedding_cuda);
+  m.impl("silu_and_mul", &silu_and_mul_cuda);
+  m.impl("row_argmax", &row_argmax_cuda);
 }
 
 }  // namespace pagedserve

@@ -33,8 +33,36 @@ struct AttentionArgs {
   float scale;
 };
 
+struct AddRmsNormArgs {
+  void* residual;
+  const void* x;
+  const void* weight;
+  void* out;  // dense [rows, n]
+  int64_t rows, res_stride, x_stride;
+  int n;
+  float eps;
+};
+
+struct RotaryArgs {
+  void* x;
+  const int64_t* positions;
+  const void* cos;  // dense [max_position, half]
+  const void* sin;
+  int64_t tokens, stride_t, stride_h;
+  int heads, half;
+};
+
+struct SiluAndMulArgs {
+  const void* x;
+  void* out;  // dense [rows, d]
+  int64_t rows, x_stride, d;
+};
+
 cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
 cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream);
 
 }  // namespace pagedserve::cuda

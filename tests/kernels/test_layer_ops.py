@@ -1,0 +1,113 @@
+"""The fused decoder-layer ops (residual add + RMSNorm, rotary, SiLU-and-mul), compiled, against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_ext import reference
+
+from .paged_batch import DEVICES
+
+
+def dtypes_for(device: str) -> list[torch.dtype]:
+    return [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=device)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: a few ulps (sum order, exp); 16-bit: the same rounding points, so at most one ulp apart."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        ulp = want.float().abs().clamp(min=1e-3) * (2 ** -7 if want.dtype == torch.bfloat16 else 2 ** -10)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, hidden", [(1, 256), (7, 896), (64, 37), (300, 512)])
+def test_fused_add_rms_norm(ext_ops, device, rows, hidden):
+    for seed, dtype in enumerate(dtypes_for(device)):
+        x = randn(rows, 2 * hidden, seed=seed, dtype=dtype, device=device)[:, hidden:]  # strided rows
+        residual = randn(rows, hidden, seed=seed + 1, dtype=dtype, device=device)
+        weight = randn(hidden, seed=seed + 2, dtype=dtype, device=device)
+        want_residual = residual.clone()
+        want = reference.fused_add_rms_norm(want_residual, x, weight, 1e-6)
+        got = ext_ops.fused_add_rms_norm(residual, x, weight, 1e-6)
+        assert torch.equal(residual, want_residual)  # the add rounds once, either way
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens, heads, head_size", [(1, 6, 64), (13, 3, 128), (64, 16, 40), (200, 2, 256)])
+def test_rotary_embedding_on_fused_qk_view(ext_ops, device, tokens, heads, head_size):
+    max_position = 512
+    for seed, dtype in enumerate(dtypes_for(device)):
+        qkv = randn(tokens, heads + 2, head_size, seed=seed, dtype=dtype, device=device)
+        qk = qkv[:, :heads]  # strided over tokens, as the model's q|k view of its fused projection
+        angles = torch.rand(max_position, head_size // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+        cos, sin = (f(angles).to(dtype=dtype, device=device) for f in (torch.cos, torch.sin))
+        positions = torch.randint(0, max_position, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)
+        want = qkv.clone()
+        reference.rotary_embedding(want[:, :heads], positions, cos, sin)
+        ext_ops.rotary_embedding(qk, positions, cos, sin)
+        assert torch.equal(qkv[:, heads:], want[:, heads:])  # v untouched
+        assert_close(qkv, want)
+
+
+def test_rotary_matches_hf_formula():
+    """The reference's halves formula is Hugging Face's ``x * cos + rotate_half(x) * sin``, bit for bit."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(5, 4, 64, seed=3, dtype=dtype, device="cpu")
+        half = torch.rand(100, 32, generator=torch.Generator().manual_seed(4))
+        cos, sin = half.cos().to(dtype), half.sin().to(dtype)
+        positions = torch.tensor([0, 5, 99, 7, 7])
+        c, s = (torch.cat((t, t), dim=-1)[positions].unsqueeze(1) for t in (cos, sin))
+        x1, x2 = x.chunk(2, dim=-1)
+        want = x * c + torch.cat((-x2, x1), dim=-1) * s
+        reference.rotary_embedding(x, positions, cos, sin)
+        assert torch.equal(x, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, d", [(1, 688), (9, 4864), (64, 17), (300, 256)])
+def test_silu_and_mul(ext_ops, device, rows, d):
+    for seed, dtype in enumerate(dtypes_for(device)):
+        x = randn(rows, 3 * d, seed=seed, dtype=dtype, device=device)[:, d:] * 4  # strided rows, wide range
+        assert_close(ext_ops.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+def test_bad_arguments_are_rejected(ext_ops):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        ext_ops.fused_add_rms_norm(x.clone(), x, torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ext_ops.fused_add_rms_norm(torch.randn(3, 8), x, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="supports float32 and bfloat16"):
+        ext_ops.silu_and_mul(x.half())
+    with pytest.raises(RuntimeError, match="2 \\* d"):
+        ext_ops.silu_and_mul(torch.randn(4, 7))
+    table = torch.randn(10, 4)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ext_ops.rotary_embedding(torch.randn(2, 3, 8), torch.tensor([0, 10]), table, table)
+    with pytest.raises(RuntimeError, match="positions must be int64"):
+        ext_ops.rotary_embedding(torch.randn(2, 3, 8), torch.tensor([0, 1], dtype=torch.int32), table, table)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, n", [(1, 32000), (64, 32000), (5, 37), (3, 1), (7, 151936)])
+def test_row_argmax_matches_torch(ext_ops, device, rows, n):
+    x = randn(rows, n, seed=rows + n, dtype=torch.float32, device=device)
+    x[0, n // 2] = x[0, n - 1] = x[0].max() + 1  # a tie: the first wins
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, n // 3] = float("nan")
+        x[2, -1] = float("nan")  # the first NaN wins
+    assert torch.equal(ext_ops.row_argmax(x), x.argmax(dim=-1))
+    strided = torch.cat([x, x], dim=1)[:, n:]
+    assert torch.equal(ext_ops.row_argmax(strided), x.argmax(dim=-1))
+    assert torch.equal(ext_ops.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
