@@ -34,6 +34,7 @@ from collections import Counter
 from urllib.parse import urlsplit
 
 from engine.demo_model import ensure_demo_model
+from loadtest.bench_serving import report
 from service.local_stack import LocalStack
 
 MODEL_NAME = "bench"
@@ -166,11 +167,7 @@ def main() -> None:
               "phases": phases,
               "p99_over_idle": {k: round(v["health_ttfb_ms"]["p99"] / idle_p99, 2) for k, v in phases.items()
                                 if k != "idle"}}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -203,10 +203,15 @@ def main() -> None:
               "max_concurrency": args.max_concurrency, "num_threads": args.num_threads,
               "attention_backend": args.attention_backend, "offline_runs": offline, "offline": best,
               "served": served, "served_over_offline": served["output_tok_s"] / best["output_tok_s"]}
+    report(result, args.json)
+
+
+def report(result: dict, path: str | None) -> None:
+    """Prints the result and, given a path, writes it there as JSON."""
     print(json.dumps(result, indent=2))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
 
 

@@ -171,11 +171,16 @@ while True:
 """
 
 
-def test_killed_rank_ends_the_engine(tmp_path):
+def _start_tp_engine(tmp_path, stderr: int) -> subprocess.Popen:
+    """A tp=2 engine generating forever in its own process; its first line names its worker's pid."""
     checkpoint = build_checkpoint("llama", tmp_path)
     env = os.environ | {"PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ENGINE, checkpoint.path, ENGINE["attention_backend"]],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", _KILLED_ENGINE, checkpoint.path, ENGINE["attention_backend"]],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+
+def test_killed_rank_ends_the_engine(tmp_path):
+    proc = _start_tp_engine(tmp_path, stderr=subprocess.PIPE)
     try:
         line = proc.stdout.readline()
         assert line.startswith("worker"), proc.stderr.read()
@@ -194,10 +199,7 @@ def test_killed_rank_ends_the_engine(tmp_path):
 @pytest.mark.slow
 def test_killed_engine_ends_its_workers(tmp_path):
     """The other way round: rank 0 killed (no chance to clean up), its worker notices and exits."""
-    checkpoint = build_checkpoint("llama", tmp_path)
-    env = os.environ | {"PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ENGINE, checkpoint.path, ENGINE["attention_backend"]],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = _start_tp_engine(tmp_path, stderr=subprocess.DEVNULL)
     try:
         worker = int(proc.stdout.readline().split()[1])
         time.sleep(0.5)

@@ -14,14 +14,17 @@ from dataclasses import fields
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from transformers import AutoTokenizer
 
 from engine import EngineConfig, LLMEngine
 from engine.demo_model import write_demo_model
 from engine.stats import EngineStats
-from service.config import WorkerConfig
+from service.config import GatewayConfig, WorkerConfig
+from service.gateway import Gateway
 from service.flags import config_argv
 from service.local_stack import LocalStack
-from service.memory_broker import MemoryBus, MemoryWorkerBroker
+from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
 from service.worker import Worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,3 +114,17 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model: str):
+    return AutoTokenizer.from_pretrained(demo_model)
+
+
+@asynccontextmanager
+async def gateway_client(config: GatewayConfig, tokenizer: Any, bus: MemoryBus,
+                         context: int = 2048) -> AsyncIterator[TestClient]:
+    """An in-process gateway over the memory broker, with an HTTP test client."""
+    gateway = Gateway(config, tokenizer, MODEL_NAME, context, MemoryGatewayBroker(bus, config.engine_poll_s))
+    async with TestClient(TestServer(gateway.app())) as client:
+        yield client

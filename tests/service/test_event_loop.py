@@ -7,30 +7,21 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from transformers import AutoTokenizer
+from aiohttp.test_utils import TestClient
 
 from service import gateway as gateway_module
 from service.config import GatewayConfig
-from service.gateway import Gateway
-from service.memory_broker import MemoryBus, MemoryGatewayBroker
-from tests.service.conftest import MODEL_NAME, memory_worker, running
+from service.memory_broker import MemoryBus
+from tests.service.conftest import MODEL_NAME, gateway_client, memory_worker, running
 
 CONTEXT, CHARS_PER_TOKEN = 64, 4
 LIMIT = CONTEXT * CHARS_PER_TOKEN
 
 
-@pytest.fixture(scope="module")
-def tokenizer(demo_model: str):
-    return AutoTokenizer.from_pretrained(demo_model)
-
-
 @pytest.fixture
 async def client_and_bus(tokenizer) -> AsyncIterator[tuple[TestClient, MemoryBus]]:
     bus = MemoryBus()
-    config = GatewayConfig(engine_poll_s=0.05, max_chars_per_token=CHARS_PER_TOKEN)
-    gateway = Gateway(config, tokenizer, MODEL_NAME, CONTEXT, MemoryGatewayBroker(bus, config.engine_poll_s))
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with gateway_client(GatewayConfig(engine_poll_s=0.05, max_chars_per_token=CHARS_PER_TOKEN), tokenizer, bus, CONTEXT) as client:
         yield client, bus
 
 

@@ -8,30 +8,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from transformers import AutoTokenizer
+from aiohttp.test_utils import TestClient
 
 from service.config import GatewayConfig
-from service.gateway import Gateway
-from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
+from service.memory_broker import MemoryBus, MemoryWorkerBroker
 from service.messages import Heartbeat
-from tests.service.conftest import MODEL_NAME, engine_stats, memory_worker, running, until
+from tests.service.conftest import MODEL_NAME, gateway_client, engine_stats, memory_worker, running, until
 from tests.service.fake_engine import BOOM_ON_STEP, FakeEngine
 
 GREEDY = {"model": MODEL_NAME, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(demo_model: str):
-    return AutoTokenizer.from_pretrained(demo_model)
-
-
 @pytest.fixture
 async def client_and_bus(tokenizer) -> AsyncIterator[tuple[TestClient, MemoryBus]]:
     bus = MemoryBus()
-    config = GatewayConfig(engine_poll_s=0.05)
-    gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config.engine_poll_s))
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with gateway_client(GatewayConfig(engine_poll_s=0.05), tokenizer, bus) as client:
         yield client, bus
 
 
