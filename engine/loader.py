@@ -21,10 +21,10 @@ from engine.models import model_class
 from engine.models.config import ModelConfig
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str = "ext",
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: cuda_ext.KernelOps,
                show_progress: bool = True, tp: TensorParallel | None = None) -> nn.Module:
     """Build the model (this rank's shard of it) without initialising it (meta device), fill every
-    parameter from the checkpoint, then put it on ``backend``'s kernels (``use_kernels``)."""
+    parameter from the checkpoint, then put it on ``ops`` (``use_kernels``)."""
     cls = model_class(cfg.architecture)
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
@@ -38,7 +38,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, backe
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    use_kernels(model, cuda_ext.load_ops(backend))
+    use_kernels(model, ops)
     return model.eval()
 
 

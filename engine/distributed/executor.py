@@ -41,7 +41,7 @@ _JOIN_S = 10.0
 def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner | ModelExecutor]:
     """Resolve ``config``, load the model (this rank's shard) and return what runs the steps."""
     ops = cuda_ext.load_ops(config.attention_backend)  # built here, once, before any worker loads it
-    load = partial(load_model, backend=config.attention_backend, show_progress=config.show_progress)
+    load = partial(load_model, ops=ops, show_progress=config.show_progress)
     if config.tensor_parallel_size == 1:
         resolved, model = resolve_config(config, load)
         return resolved, ModelRunner(model, resolved, ops)

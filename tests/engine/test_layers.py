@@ -51,7 +51,7 @@ def test_load_packs_linears_and_releases_unpacked_weights(tmp_path, arch):
 
     checkpoint = build_checkpoint(arch, tmp_path)
     ops = cuda_ext.load_ops("ext")
-    model = load_model(read_model_config(checkpoint.path), torch.device("cpu"), torch.float32, "ext", False)
+    model = load_model(read_model_config(checkpoint.path), torch.device("cpu"), torch.float32, ops, False)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
