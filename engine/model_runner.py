@@ -59,7 +59,7 @@ class ModelRunner:
         return self.run(self.plan(out))
 
     def plan(self, out: SchedulerOutput) -> StepPlan:
-        batch = Batch(*self._prepare(out.scheduled)) if out.scheduled else None
+        batch = self._prepare(out.scheduled) if out.scheduled else None
         return StepPlan(_mapping(out.blocks_to_swap_out), _mapping(out.blocks_to_swap_in),
                         _mapping(out.blocks_to_copy), batch)
 
@@ -88,7 +88,7 @@ class ModelRunner:
         if plan.copies.numel():
             self.ops.copy_blocks(self.kv_cache, plan.copies.to(self.device))
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         """One pass over the seqs into flat typed arrays, each wrapped as a tensor without a per-element
         conversion (``torch.tensor`` of a list costs ~0.3 us an element). Slots go a block-run at a time
         (``extend(range)``), so there is no per-token Python even in a long prefill."""
@@ -111,8 +111,8 @@ class ModelRunner:
             block_tables=_host_tensor(block_tables, torch.int32).view(len(scheduled), width),
             seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
-        return (_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
-                _host_tensor(sample_rows, torch.int64))
+        return Batch(_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
+                     _host_tensor(sample_rows, torch.int64))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

@@ -190,21 +190,22 @@ class Scheduler:
             self._finish_beam(group)
             return
         nxt, dropped = beam_search.advance(self.kv, cands, running)
-        for seq in dropped:  # its blocks' ref counts drop at once; those only it held are free
-            self.kv.free(seq.seq_id)
-            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._drop_candidates(dropped)  # their blocks' ref counts drop at once; those only they held are free
         self._num_running_seqs += len(nxt) - len(cands)
         self._num_pending_forks += len(cands) - len(nxt)
         group.seqs = nxt
 
     def _finish_beam(self, group: SequenceGroup) -> None:
         """The search is over: free the candidates, the group's sequences become its best hypotheses."""
-        for seq in group.seqs:
-            self.kv.free(seq.seq_id)
-            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._drop_candidates(group.seqs)
         self._num_running_seqs -= len(group.seqs)
         self._remove(group)
         group.seqs = beam_search.final_sequences(group.beam, group.prompt_token_ids, group.params.n)
+
+    def _drop_candidates(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.kv.free(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED_ABORTED
 
     def _mark_computed(self, out: SchedulerOutput) -> None:
         """The forward pass wrote K/V for every scheduled token; then the forks share it."""
