@@ -31,6 +31,7 @@ import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
+from engine.distributed.executor import ModelExecutor
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
@@ -86,9 +87,11 @@ def instrument(engine: LLMEngine) -> StepTimers:
     timers.wrap(engine, "step", "step")
     timers.wrap(engine.scheduler, "schedule", "scheduler")
     timers.wrap(engine.scheduler, "update_from_output", "scheduler")
-    timers.wrap(engine.runner, "_prepare", "prepare")
+    # With tensor parallelism, rank 0's runner: the other ranks run the same plan on their shards meanwhile.
+    runner = engine.runner.runner if isinstance(engine.runner, ModelExecutor) else engine.runner
+    timers.wrap(runner, "_prepare", "prepare")
     timers.wrap(engine, "_sample", "sampler")
-    model = engine.runner.model
+    model = runner.model
     timers.wrap(model, "forward", "model")
     timers.wrap(model, "compute_logits", "model")
     for module in model.modules():

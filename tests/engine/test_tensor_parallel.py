@@ -116,6 +116,18 @@ def test_beam_search_matches_tp1(model):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.config.scheduler.num_device_blocks
 
 
+def test_step_timers_see_rank_0(model):
+    """bench_offline's per-step breakdown works on a tensor-parallel engine (rank 0's runner is timed)."""
+    from loadtest.profile_step import instrument
+
+    _, reference, llm = model
+    use_scheduler(llm, enable_prefix_caching=False)
+    timers = instrument(llm.engine)
+    assert generate(llm) == [[r] for r in reference]
+    ms = timers.breakdown()
+    assert timers.steps > 0 and ms["gemm"] > 0 and ms["attention"] > 0 and ms["prepare"] > 0
+
+
 def test_shard_arithmetic():
     """Which slice of each checkpoint tensor a rank reads, without processes (4 ranks, 2 KV heads of 64)."""
     tp = TensorParallel(rank=3, size=4)
