@@ -16,8 +16,9 @@ from engine.outputs import TokenLogprobs
 from engine.stats import EngineStats
 
 # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
-# beam search (use_beam_search, best_of, length_penalty, early_stopping)
-SCHEMA_VERSION = 4
+# beam search (use_beam_search, best_of, length_penalty, early_stopping); 5: replies travel in one
+# ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress
+SCHEMA_VERSION = 5
 
 T = TypeVar("T")
 
@@ -72,9 +73,70 @@ class ReplyEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     status: int = 500
+    # The request's event sequence number: OUTPUT and ERROR events count 0, 1, 2, ... per request, whichever
+    # engine sends them (a resuming engine continues the count), so a gateway drops a duplicate (index below
+    # the next expected) and detects a gap (above it). ACCEPTED is not counted (CONTROL_INDEX): a resumer's
+    # ACCEPTED must reach the gateway even if the dead engine's late events took its place in the sequence.
+    index: int = -1
 
     def __post_init__(self) -> None:
         self.kind = EventKind(self.kind)  # a decoded event carries the plain string
+
+
+CONTROL_INDEX = -1
+
+
+@dataclass(slots=True)
+class ReplyBatch:
+    """Everything one engine step says to one gateway, one stream entry: the worker's cost per step is
+    O(gateways), not O(requests). On the wire the events are arrays, not maps (a step carries hundreds):
+    ``[request_id, index, kind, choices, finished, num_cached_tokens, error, status]`` with each choice
+    ``[index, token_ids, logprobs, finish_reason]``; the engine id and incarnation are said once."""
+
+    engine_id: str
+    incarnation: str
+    events: list[tuple[str, ReplyEvent]]  # (request id, event), in publishing order
+
+
+@dataclass(slots=True)
+class GatewayBeat:
+    """A gateway's liveness (its key expires when it stops beating), and the requests of other, possibly
+    dead, gateways that clients resumed here: an engine keeps a request running while its gateway or an
+    adopting gateway is alive."""
+
+    gateway_id: str
+    adopted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamRecord:
+    """What a gateway stores per request at submission, so that any gateway can resume the client's stream
+    (SSE ``Last-Event-ID``) and any engine can find the request's replies: the original request body
+    (the new gateway re-parses it for stop strings, formats and n), the prompt's token ids, where the
+    replies go, and whose API key may resume it (HMAC, never the key)."""
+
+    request_id: str
+    gateway_id: str
+    body: bytes  # the HTTP request body as received (JSON)
+    prompt_token_ids: list[int]
+    created: int  # the response objects' ``created``
+    arrival_ms: int  # wall clock at submission; replies are in the gateway stream from then on
+    tenant: str
+
+
+@dataclass(slots=True)
+class Progress:
+    """An engine's periodic checkpoint of one request: the events below ``next_index`` folded into
+    per-choice tokens, so a replay reads this plus the gateway stream's tail since ``time_ms`` instead of
+    every entry since arrival. Written every few seconds per request, never per token."""
+
+    request_id: str
+    next_index: int
+    output_token_ids: list[list[int]]  # per choice index
+    finish_reasons: list[str | None]
+    logprobs: list[list[TokenLogprobs]] | None  # per choice, when the request asked for them
+    num_cached_tokens: int
+    time_ms: int  # the engine's wall clock when the snapshot was taken: later events are newer than this
 
 
 @dataclass(slots=True)
@@ -89,6 +151,25 @@ class Heartbeat:
     model: str
     max_model_len: int
     stats: EngineStats  # a map of its field names on the wire
+
+
+def encode_batch(batch: ReplyBatch) -> bytes:
+    rows = [[rid, e.index, e.kind.value, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in e.choices],
+             e.finished, e.num_cached_tokens, e.error, e.status] for rid, e in batch.events]
+    return msgpack.packb({"v": SCHEMA_VERSION, "engine_id": batch.engine_id, "incarnation": batch.incarnation,
+                          "events": rows}, use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> ReplyBatch:
+    body = _unpack(ReplyBatch, payload)
+    try:
+        engine_id, incarnation = body["engine_id"], body["incarnation"]
+        events = [(rid, ReplyEvent(EventKind(kind), engine_id, incarnation,
+                                   [ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished, cached, error, status, index))
+                  for rid, index, kind, choices, finished, cached, error, status in body["events"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SchemaError(f"malformed ReplyBatch: {exc!r}") from exc
+    return ReplyBatch(engine_id, incarnation, events)
 
 
 def encode(msg: Any) -> bytes:
@@ -110,7 +191,8 @@ def _fields(msg: Any) -> dict[str, Any]:
     return {f.name: getattr(msg, f.name) for f in fields(msg)}
 
 
-def decode(cls: type[T], payload: bytes) -> T:
+def _unpack(cls: type, payload: bytes) -> dict[str, Any]:
+    """The payload's map, version checked (and removed)."""
     try:
         body = msgpack.unpackb(payload, raw=False)
     except (msgpack.UnpackException, ValueError) as exc:
@@ -120,6 +202,11 @@ def decode(cls: type[T], payload: bytes) -> T:
     version = body.pop("v", None)
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{cls.__name__} schema version {version!r}, expected {SCHEMA_VERSION}")
+    return body
+
+
+def decode(cls: type[T], payload: bytes) -> T:
+    body = _unpack(cls, payload)
     if cls is ReplyEvent:
         body["choices"] = [_from_fields(ChoiceDelta, c) for c in body.get("choices", [])]
     elif cls is Heartbeat and "stats" in body:

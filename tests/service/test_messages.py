@@ -8,8 +8,10 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from service.messages import (SCHEMA_VERSION, ChoiceDelta, EventKind, Heartbeat, ReplyEvent, RequestMsg, SchemaError,
-                              decode, encode, params_to_wire)
+from service.messages import (CONTROL_INDEX, SCHEMA_VERSION, ChoiceDelta, EventKind, GatewayBeat, Heartbeat, Progress,
+                              ReplyBatch, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode, decode_batch, encode,
+                              encode_batch, params_to_wire)
+from service.transcript import Transcript
 from tests.service.conftest import engine_stats
 
 
@@ -55,3 +57,46 @@ def test_unknown_event_kind_is_a_schema_error() -> None:
     payload = encode(ReplyEvent(EventKind.ACCEPTED, "e1")).replace(b"accepted", b"accepten")
     with pytest.raises(SchemaError):
         decode(ReplyEvent, payload)
+
+
+def test_a_reply_batch_round_trips_as_arrays() -> None:
+    events = [("r1", ReplyEvent(EventKind.ACCEPTED, "e1", "i1")),
+              ("r2", ReplyEvent(EventKind.OUTPUT, "e1", "i1", [ChoiceDelta(0, [5, 6], [[[5, -0.5]], [[6, -0.25]]]),
+                                                               ChoiceDelta(1, [7], None, "length")], False, 16,
+                                index=3)),
+              ("r1", ReplyEvent(EventKind.ERROR, "e1", "i1", finished=True, error="boom", status=503, index=0))]
+    payload = encode_batch(ReplyBatch("e1", "i1", events))
+    body = msgpack.unpackb(payload)
+    assert isinstance(body["events"][1], list) and body["events"][1][:3] == ["r2", 3, "output"]
+    back = decode_batch(payload)
+    assert back == ReplyBatch("e1", "i1", events)
+    assert back.events[0][1].index == CONTROL_INDEX
+
+
+@pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], False, 0, None, 500]],  # unknown kind
+                                    [["r1", 0, "output", [], False, 0, None]],  # a field missing
+                                    [["r1", 0, "output", [[0, [1]]], False, 0, None, 500]],  # a choice short
+                                    "not a list"])
+def test_malformed_batches_are_schema_errors(events: object) -> None:
+    payload = msgpack.packb({"v": SCHEMA_VERSION, "engine_id": "e", "incarnation": "i", "events": events})
+    with pytest.raises(SchemaError):
+        decode_batch(payload)
+
+
+def test_progress_stream_record_and_gateway_beat_round_trip() -> None:
+    for msg in (Progress("r1", 4, [[1, 2], [3]], [None, "stop"], None, 8, 123),
+                StreamRecord("r1", "gw", b'{"model": "m"}', [1, 2], 7, 99, "t"), GatewayBeat("gw", ["r1"])):
+        assert decode(type(msg), encode(msg)) == msg
+
+
+def test_a_transcript_folds_a_checkpoint_and_later_events_without_duplicates() -> None:
+    out = lambda index, *choices, finished=False: ReplyEvent(EventKind.OUTPUT, "e", "i", list(choices), finished,
+                                                               index=index)
+    transcript = Transcript(Progress("r", 2, [[1, 2], [3]], [None, None], None, 0, 0))
+    for event in (out(1, ChoiceDelta(0, [9])), out(2, ChoiceDelta(0, [4]), ChoiceDelta(1, [5], None, "stop")),
+                  out(2, ChoiceDelta(0, [4])), out(4, ChoiceDelta(0, [8])), out(3, ChoiceDelta(0, [6], None, "length"),
+                                                                              finished=True)):
+        transcript.add(event)
+    assert [e.index for e in transcript.events] == [2, 3] and transcript.next_index == 4 and transcript.finished
+    assert transcript.choices(2) == ([[1, 2, 4, 6], [3, 5]], ["length", "stop"])
+    assert Transcript(None).choices(2) == ([[], []], [None, None]) and Transcript(None).next_index == 0

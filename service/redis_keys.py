@@ -1,0 +1,69 @@
+"""The Redis key layout of one deployment, every key under one prefix (docs/architecture.md, "Broker").
+
+  {p}:requests:{model}  stream of RequestMsg for one served model, consumer group "engines" (each engine
+                        process reads as consumer "{engine_id}/{incarnation}"); an entry is acked (and
+                        deleted) only when its request has finished
+  {p}:out:{gateway}     a gateway's reply stream: one ReplyBatch entry (field "b") per engine step, trimmed to the
+                        reply retention window; any gateway may read it (to resume a client's stream)
+  {p}:request:{id}      StreamRecord, written by the gateway at submission, kept the retention window
+                        after the request finishes
+  {p}:owner:{id}        the consumer that runs the request, claimed with SET NX: a duplicated queue entry
+                        (a retried XADD) is never run twice
+  {p}:progress:{id}     Progress, an engine's periodic checkpoint of the request's delivered tokens
+  {p}:aborts            stream of aborted request ids, read by every worker each step
+  {p}:deadletter        stream of requests given up on after repeated delivery, with the reason
+  {p}:engines           set of engine ids; {p}:engine:{id} holds the Heartbeat, expiring without beats
+  {p}:gateways          set of gateway ids; {p}:gateway:{id} holds the GatewayBeat, expiring likewise
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    @property
+    def engines(self) -> str:
+        return f"{self.prefix}:engines"
+
+    @property
+    def gateways(self) -> str:
+        return f"{self.prefix}:gateways"
+
+    def requests(self, model: str) -> str:
+        """One request stream per served model, so an engine never takes another model's requests."""
+        return f"{self.prefix}:requests:{model}"
+
+    def out(self, gateway_id: str) -> str:
+        return f"{self.prefix}:out:{gateway_id}"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}:request:{request_id}"
+
+    def owner(self, request_id: str) -> str:
+        return f"{self.prefix}:owner:{request_id}"
+
+    def progress(self, request_id: str) -> str:
+        return f"{self.prefix}:progress:{request_id}"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{engine_id}"
+
+    def gateway(self, gateway_id: str) -> str:
+        return f"{self.prefix}:gateway:{gateway_id}"
+
+
+def consumer_name(engine_id: str, incarnation: str) -> str:
+    """A restarted engine keeps its id (a pod name) but not its incarnation: its predecessor's pending
+    entries belong to a dead consumer and are resumed, not mistaken for its own."""
+    return f"{engine_id}/{incarnation}"
