@@ -46,9 +46,12 @@ class Transcript:
         return tokens, reasons
 
 
-async def read_transcript(client: aioredis.Redis, keys: Keys, record: StreamRecord) -> Transcript:
-    payload = await client.get(keys.progress(record.request_id))
-    progress = _decode_progress(payload)
+async def read_transcript(client: aioredis.Redis, keys: Keys, record: StreamRecord,
+                          from_checkpoint: bool = True) -> Transcript:
+    """With ``from_checkpoint`` (an engine resuming: it needs the tokens) the scan starts at the last
+    Progress; without (a gateway replaying a client's stream: it needs every event with its own boundaries
+    and logprobs, to rebuild the same SSE events) it starts at the request's arrival."""
+    progress = _decode_progress(await client.get(keys.progress(record.request_id))) if from_checkpoint else None
     since_ms = max(record.arrival_ms, progress.time_ms if progress else 0) - CLOCK_SKEW_MS
     transcript = Transcript(progress)
     start = f"{max(since_ms, 0)}-0"
