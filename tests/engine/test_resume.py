@@ -50,12 +50,15 @@ def cut(full: list[list[int]], reasons: list[str], k: int) -> ResumeState:
     return ResumeState([out[:k] for out in full], [r if k >= len(out) else None for out, r in zip(full, reasons)])
 
 
-def assert_resumes_identically(path: str, params: SamplingParams, cuts: tuple[int, ...] = (0, 1, 5, 11)) -> None:
+def assert_resumes_identically(path: str, params: SamplingParams, cuts: tuple[int, ...] = (0, 1, 5, 11),
+                               **engine_overrides) -> None:
+    """For each cut point and with prefix caching on and off, a fresh engine continues the cut run exactly."""
     full, reasons = undisturbed(path, params)
     for prefix_caching in (True, False):
         for k in cuts:
             resume = cut(full, reasons, k)
-            tokens, got = run(make_engine(path, prefix_caching), f"r{k}", params, resume)
+            engine = make_engine(path, prefix_caching, **engine_overrides)
+            tokens, got = run(engine, f"r{k}", params, resume)
             for i, (out, reason) in enumerate(zip(full, reasons)):
                 if resume.finish_reasons[i] is not None:
                     assert i not in tokens and i not in got  # finished before the cut: nothing more
@@ -74,6 +77,12 @@ def assert_resumes_identically(path: str, params: SamplingParams, cuts: tuple[in
 ], ids=["greedy", "seeded", "n3-seeded", "seeded-penalties", "greedy-penalties"])
 def test_resume_continues_exactly(llama_checkpoint, params):
     assert_resumes_identically(llama_checkpoint.path, params)
+
+
+def test_resume_recomputes_in_chunks(llama_checkpoint):
+    # The 3 choices' contexts (~60-70 tokens each) re-prefill over several steps of 24 tokens.
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=16)
+    assert_resumes_identically(llama_checkpoint.path, params, cuts=(1, 10), max_num_batched_tokens=24)
 
 
 def test_resume_keeps_min_tokens_and_stop_state(llama_checkpoint):
