@@ -102,7 +102,8 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         known = [i for i in ids if i in self._groups]
         if known:
-            aborted = self.scheduler.abort(known)  # not a resumed group finished on arrival: it reports as such
+            # A resumed request that finished on arrival is not the scheduler's: it still reports its own finish.
+            aborted = self.scheduler.abort(known)
             self._aborted += aborted
             for group in aborted:
                 self._resumed_ends.pop(group.request_id, None)
