@@ -18,9 +18,11 @@ not immediately re-created.
 Recompute of a group with several (diverged) sequences: every sequence goes
 back to WAITING and re-prefills its own full token list; the group is
 admitted all-or-nothing and prefix caching dedupes the shared prompt blocks.
-A beam search (``engine/beam_search.py``) is one group of its live candidates,
-scheduled and preempted as one like the n samples; it advances once every
-candidate has a next-token distribution.
+A resumed request (another engine ran it and died) enters the same way: its
+choices, each holding the tokens already delivered, re-prefill like a
+recomputed group's. A beam search (``engine/beam_search.py``) is one group
+of its live candidates, scheduled and preempted as one like the n samples; it
+advances once every candidate has a next-token distribution.
 
 After the forward pass, ``update_from_output`` is the one post-step.
 """
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
+_NEW_STATUSES = (WAITING, SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
 
 
 def _pending_forks(group: SequenceGroup) -> int:
@@ -86,21 +89,37 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
+        """Queue a new request: one WAITING sequence, or a resumed one (``LLMEngine.add_request(resume=)``):
+        its n choices with their output tokens, each WAITING or finished, as after a recompute preemption.
+        A resumed choice whose tokens already meet its stop condition finishes here; a group left with
+        nothing to run is not queued."""
         if group.request_id in self._groups:
             raise ValueError(f"duplicate request id {group.request_id!r}")
-        if len(group.seqs) != 1 or group.seqs[0].status is not WAITING:
-            raise ValueError("a new group must hold exactly one WAITING sequence")
-        if not group.seqs[0].token_ids:
-            raise ValueError("the prompt must contain at least one token")
+        self._check_new(group)
         if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
             raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
                              f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
         if group.params.use_beam_search:
             group.beam = beam_search.BeamState.for_request(
                 group.params, group.seqs[0].num_prompt_tokens, self.eos_token_ids, self.config.max_model_len)
-        self._groups[group.request_id] = group
-        self.waiting.append(group)
-        self.num_prompt_tokens += len(group.seqs[0].token_ids)
+        for seq in group.seqs:
+            if seq.status is WAITING and seq.num_output_tokens:
+                self._check_stop(group, seq, seq.token_ids[-1])
+        self.num_prompt_tokens += group.seqs[0].num_prompt_tokens
+        if not group.is_finished:
+            self._groups[group.request_id] = group
+            self.waiting.append(group)
+
+    @staticmethod
+    def _check_new(group: SequenceGroup) -> None:
+        seqs, n = group.seqs, group.params.n
+        if len(seqs) not in (1, n) or any(s.status not in _NEW_STATUSES for s in seqs):
+            raise ValueError("a new group must hold one WAITING sequence, or (resumed) its n choices, "
+                             "each WAITING or finished")
+        if group.params.use_beam_search and (len(seqs) != 1 or seqs[0].num_output_tokens):
+            raise ValueError("a beam search cannot be resumed (it publishes only once it is over)")
+        if not seqs[0].num_prompt_tokens:
+            raise ValueError("the prompt must contain at least one token")
 
     def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
         """Abort groups in any state; their blocks return to the pools."""
@@ -382,8 +401,8 @@ class Scheduler:
         for seq, a in zip(seqs, admissions):
             self.kv.admit(seq.seq_id, a.hits, group.cache_salt, seq.num_tokens, a.size)
             seq.num_computed_tokens = len(a.hits) * self.config.block_size
-        if group.metrics.num_preemptions == 0:
-            group.num_cached_tokens = seqs[0].num_computed_tokens
+        if group.metrics.num_preemptions == 0:  # a resumed request's hits may cover output tokens: not counted
+            group.num_cached_tokens = min(seqs[0].num_computed_tokens, seqs[0].num_prompt_tokens)
         self._set_running(group, seqs)
 
     def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
