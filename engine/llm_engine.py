@@ -133,8 +133,20 @@ class LLMEngine:
             logits = self.runner.execute(out)
             return outputs + self._process_samples(out, logits)
         except Exception as exc:  # a failing batch fails its requests, never the engine
-            logger.exception("step failed; failing its %d scheduled requests", len(out.scheduled))
-            return outputs + self._fail_scheduled(out, f"internal error while running the batch: {exc}")
+            return outputs + self._recover(out, exc)
+
+    def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
+        bad request never fails its batch-mates. A request that failed alone is failed."""
+        self.scheduler.recover_failed_step(out)
+        groups = list({id(s.group): s.group for s in out.scheduled}.values())
+        if len(groups) > 1:
+            logger.warning("step failed (%s: %s); retrying its %d requests one at a time",
+                           type(exc).__name__, exc, len(groups))
+            self.scheduler.isolate(groups)
+            return []
+        logger.exception("step failed; failing its request")
+        return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
     def _process_samples(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
         now = time.time()

@@ -24,7 +24,11 @@ recomputed group's. A beam search (``engine/beam_search.py``) is one group
 of its live candidates, scheduled and preempted as one like the n samples; it
 advances once every candidate has a next-token distribution.
 
-After the forward pass, ``update_from_output`` is the one post-step.
+After the forward pass, ``update_from_output`` is the one post-step. When a
+step fails, ``recover_failed_step`` redoes what it may not have done, and
+``isolate`` turns a failed batch's groups into suspects: preempted by
+recompute, each then runs alone (oldest first) until it has caught up, so
+one poisonous request fails alone, never its batch-mates.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
         self.swapped: deque[SequenceGroup] = deque()  # oldest first
+        self.suspects: deque[SequenceGroup] = deque()  # of a failed batch, to run alone, oldest first
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished group
         self._num_running_seqs = 0
         self._num_pending_forks = 0  # seats running groups keep for their n samples
@@ -149,6 +154,8 @@ class Scheduler:
 
     def _remove(self, group: SequenceGroup) -> None:
         self._groups.pop(group.request_id, None)
+        if self.suspects and group in self.suspects:
+            self.suspects.remove(group)
         if self.running.pop(group.request_id, None) is not None:
             self._num_pending_forks -= _pending_forks(group)
         else:
@@ -159,6 +166,11 @@ class Scheduler:
     # -- the step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        while self.suspects and self._caught_up(self.suspects[0]):
+            self.suspects.popleft()  # its solo steps succeeded: back to normal batching
+        if self.suspects:
+            self._schedule_suspect(out)
+            return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
@@ -298,7 +310,6 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bs = self.config.block_size
         while self.waiting and budget > 0:
             group = self.waiting[0]
             error = self._admission_error(group)
@@ -306,26 +317,103 @@ class Scheduler:
                 self._fail(self.waiting.popleft(), error, out)
                 continue
             seqs = group.seqs_with(WAITING)
-            seats = self._num_running_seqs + self._num_pending_forks + self._seq_demand(group)
-            if seats > self.config.max_num_seqs:
+            if not self._has_seats(group):
                 break
-            admissions, plan, left = [], [], budget
-            for seq in seqs:
-                hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
-                start = len(hits) * bs
-                num_new = self._chunk(seq.num_tokens - start, left)
-                admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
-                if num_new:
-                    plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
-                left -= num_new
-            if not plan or plan[0].seq is not seqs[0] or not self.kv.can_admit(admissions):
-                break  # the first sequence must make progress
+            admissions, plan, left = self._admission_plan(group, seqs, budget)
+            if not self._admissible(seqs, admissions, plan):
+                break
             self.waiting.popleft()
             self._admit(group, seqs, admissions)
             self._commit(group, plan, out)
             budget = left
 
+    def _schedule_suspect(self, out: SchedulerOutput) -> None:
+        """The oldest suspect's step, alone: the other running groups (latest first) make room if needed."""
+        group, budget = self.suspects[0], self.config.max_num_batched_tokens
+        if group.request_id in self.running:  # its re-prefill goes on in chunks
+            plan, _ = self._plan(group, group.seqs_with(RUNNING), budget)
+            while (self.kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan]) > self.kv.num_free_blocks
+                   and self._preempt_other(group, out)):
+                pass
+            self._commit(group, plan, out)
+            return
+        error = self._admission_error(group)
+        if error is not None:
+            self.waiting.remove(group)
+            self.suspects.popleft()
+            self._fail(group, error, out)
+            return
+        seqs = group.seqs_with(WAITING)
+        while True:
+            admissions, plan, _ = self._admission_plan(group, seqs, budget)
+            if self._has_seats(group) and self._admissible(seqs, admissions, plan):
+                break
+            if not self._preempt_other(group, out):
+                return  # unreachable: alone, a group that passes _admission_error fits
+        self.waiting.remove(group)
+        self._admit(group, seqs, admissions)
+        self._commit(group, plan, out)
+
+    def _preempt_other(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Preempt the latest-arrived running group other than ``group``; False if there is none."""
+        victim = next((g for g in reversed(self.running.values()) if g is not group), None)
+        if victim is not None:
+            self._preempt(victim, out)
+        return victim is not None
+
+    def _caught_up(self, group: SequenceGroup) -> bool:
+        """Running with every known token's K/V but the sampled last one: its re-prefill is over."""
+        return group.request_id in self.running and all(
+            seq.num_computed_tokens >= seq.num_tokens - 1 for seq in group.seqs_with(RUNNING))
+
+    # -- a failed step -------------------------------------------------------
+    def recover_failed_step(self, out: SchedulerOutput) -> None:
+        """The runner raised on ``out``, so its block moves may not have happened: the groups it
+        swapped out are recomputed instead (their CPU copy may be garbage)."""
+        for group in out.preempted:  # latest first: appendleft keeps arrival order
+            seqs = group.seqs_with(SWAPPED)
+            if not seqs:
+                continue
+            for seq in seqs:
+                self.kv.free(seq.seq_id)
+                seq.reset_for_recompute()
+            self.swapped.remove(group)
+            self.waiting.appendleft(group)
+
+    def isolate(self, groups: list[SequenceGroup]) -> None:
+        """A batch of these groups failed and any of them may be the cause: each is preempted by
+        recompute and becomes a suspect, run alone before normal batching resumes; one whose solo
+        step fails too is the caller's to fail."""
+        members = set(groups)
+        ordered = [g for g in self.running.values() if g in members]  # arrival order
+        out = SchedulerOutput()  # recompute moves no blocks: nothing for the runner
+        for group in reversed(ordered):  # latest first, as _preempt's appendleft expects
+            self._preempt(group, out, recompute=True)
+        self.suspects.extend(ordered)
+
     # -- helpers -------------------------------------------------------------
+    def _has_seats(self, group: SequenceGroup) -> bool:
+        return self._num_running_seqs + self._num_pending_forks + self._seq_demand(group) <= self.config.max_num_seqs
+
+    def _admission_plan(self, group: SequenceGroup, seqs: list[Sequence], budget: int
+                        ) -> tuple[list[Admission], list[ScheduledSeq], int]:
+        """Each waiting sequence's prefix-cache hits and share of ``budget``; the budget left."""
+        bs = self.config.block_size
+        admissions, plan, left = [], [], budget
+        for seq in seqs:
+            hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
+            start = len(hits) * bs
+            num_new = self._chunk(seq.num_tokens - start, left)
+            admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
+            if num_new:
+                plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
+            left -= num_new
+        return admissions, plan, left
+
+    def _admissible(self, seqs: list[Sequence], admissions: list[Admission], plan: list[ScheduledSeq]) -> bool:
+        # The first sequence must make progress.
+        return bool(plan) and plan[0].seq is seqs[0] and self.kv.can_admit(admissions)
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a ``remaining``-token prefill that fit this step (0: none)."""
         if remaining <= budget:
@@ -372,13 +460,13 @@ class Scheduler:
             parent = plan[-1]
             parent.forks = tuple(parent.seq.fork(index) for index in range(len(group.seqs), group.params.n))
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, recompute: bool = False) -> None:
         del self.running[group.request_id]
         seqs = group.seqs_with(RUNNING)
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
-        if self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
+        if not recompute and self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
             out.blocks_to_swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)
