@@ -132,7 +132,7 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out)
             return outputs + self._process_samples(out, logits)
-        except Exception as exc:  # a failing batch fails its requests, never the engine
+        except Exception as exc:  # a failing batch never fails the engine
             return outputs + self._recover(out, exc)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

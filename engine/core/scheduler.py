@@ -332,8 +332,8 @@ class Scheduler:
         group, budget = self.suspects[0], self.config.max_num_batched_tokens
         if group.request_id in self.running:  # its re-prefill goes on in chunks
             plan, _ = self._plan(group, group.seqs_with(RUNNING), budget)
-            while (self.kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan]) > self.kv.num_free_blocks
-                   and self._preempt_other(group, out)):
+            need = self.kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
+            while need > self.kv.num_free_blocks and self._preempt_other(group, out):
                 pass
             self._commit(group, plan, out)
             return
@@ -466,7 +466,8 @@ class Scheduler:
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
-        if not recompute and self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
+        swap = not recompute and self.config.preemption_mode == "swap"
+        if swap and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
             out.blocks_to_swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)

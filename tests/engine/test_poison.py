@@ -34,12 +34,12 @@ def make_engine(path: str, config: str) -> LLMEngine:
 
 
 def inject(engine: LLMEngine, fails: Callable[[SchedulerOutput], bool]) -> list[int]:
-    """Make ``engine``'s runner raise on the steps ``fails`` picks; returns the list of each step's group count."""
+    """Make ``engine``'s runner raise on the steps ``fails`` picks; returns the group count of each it failed."""
     execute, sizes = engine.runner.execute, []
 
     def faulty(out: SchedulerOutput):
-        sizes.append(len({id(s.group) for s in out.scheduled}))
         if fails(out):
+            sizes.append(len({id(s.group) for s in out.scheduled}))
             raise RuntimeError("injected fault")
         return execute(out)
     engine.runner.execute = faulty
@@ -79,7 +79,7 @@ def test_poison_fails_alone(llama_checkpoint, config, params):
     engine = make_engine(llama_checkpoint.path, config)
     sizes = inject(engine, has_poison)
     got = run(engine, HEALTHY[:2] + ["poison"] + HEALTHY[2:], params)
-    assert max(sizes) > 1  # the poison did share batches
+    assert max(sizes) > 1 and sizes[-1] == 1  # it failed a batch, then itself alone
     tokens, error = got.pop("poison")
     assert error is not None and "injected fault" in error and not any(tokens.values())
     assert got == reference
