@@ -129,9 +129,11 @@ class LLMEngine:
     # ---- outputs --------------------------------------------------------
     def _step_output(self, group: SequenceGroup, now: float) -> RequestOutput:
         m = group.metrics
-        m.first_token_time = m.first_token_time or now
+        if m.first_token_time is None:
+            m.first_token_time = now
         m.last_token_time = now
-        completions = [self._delta(group, seq) for seq in group.seqs if seq.num_output_tokens > seq.num_emitted_tokens]
+        completions = [self._delta(group, seq) for seq in group.seqs
+                       if len(seq.token_ids) - seq.num_prompt_tokens > seq.num_emitted_tokens]
         return self._request_output(group, completions, None)
 
     def _final_output(self, group: SequenceGroup, status: SequenceStatus, error: str | None = None) -> RequestOutput:
@@ -140,24 +142,24 @@ class LLMEngine:
         return self._request_output(group, completions, error)
 
     def _request_output(self, group: SequenceGroup, completions: list[CompletionOutput], error: str | None) -> RequestOutput:
+        # Positional arguments and no per-seq property calls: this runs for every group every step.
         finished = group.is_finished
         if finished:
             group.metrics.finished_time = time.time()
             self._groups.pop(group.request_id, None)
-        return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
-                             outputs=completions, finished=finished, error=error,
-                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+        first = group.seqs[0]
+        return RequestOutput(group.request_id, first.token_ids[:first.num_prompt_tokens], completions, finished,
+                             error, group.num_cached_tokens, group.metrics)
 
     @staticmethod
     def _delta(group: SequenceGroup, seq: Sequence) -> CompletionOutput:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = seq.num_output_tokens
+        start, seq.num_emitted_tokens = seq.num_emitted_tokens, len(seq.token_ids) - seq.num_prompt_tokens
         wants_logprobs = group.params.logprobs is not None
         return CompletionOutput(
-            index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
-            logprobs=seq.logprobs[start:] if wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
-            finish_reason=seq.status.finish_reason)
+            seq.index, seq.token_ids[seq.num_prompt_tokens + start:], "",
+            seq.logprobs[start:] if wants_logprobs else None,
+            seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
+            seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:
