@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.distributed.executor import create_executor
+from engine.model_runner import Logits
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -100,22 +101,23 @@ class LLMEngine:
             logger.exception("step failed; failing its %d scheduled requests", len(out.scheduled))
             return outputs + self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
-    def _process_samples(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _process_samples(self, out: SchedulerOutput, logits: Logits | None) -> list[RequestOutput]:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
         samples, beams = out.samples(), out.beam_samples()
-        beam_tokens = beam_search.top_tokens(logits, beams) if beams else None
+        beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
         groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
         return [self._step_output(g, now) for g in groups]
 
-    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:
+    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
         if not samples:
             return SamplerOutput([], [])
-        rows = [row for row, _, _ in samples]
-        if len(rows) != logits.shape[0]:  # forks draw several tokens from one row
-            logits = logits[rows]
-        return self.sampler(logits, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples])
+        values, argmax = logits.values, logits.argmax
+        if len(samples) != values.shape[0]:  # forks draw several tokens from one row
+            rows = [row for row, _, _ in samples]
+            values, argmax = values[rows], None if argmax is None else argmax[rows]
+        return self.sampler(values, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples], argmax)
 
     def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         groups = {s.group.request_id: s.group for s in out.scheduled}
