@@ -47,7 +47,7 @@ constexpr int64_t kW = Vec::size();
 constexpr int64_t kPanelVecs = kW == 16 ? 4 : 2;
 constexpr int64_t kPanel = kPanelVecs * kW;  // output columns per packed panel
 constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register tile
-constexpr int64_t kMinWorkPerThread = 1 << 17;  // multiply-adds (~10 us) worth a thread's fork
+constexpr int64_t kMinWorkPerThread = 1 << 20;  // multiply-adds (~12 us of fp32 AVX-512) worth a thread
 
 // One element type's k step of the micro-kernel: the panel's kPanelVecs weight
 // operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
