@@ -72,6 +72,8 @@ class Sampler:
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         """Below min_tokens, eos (unless ignore_eos) and stop_token_ids cannot be drawn."""
+        if not any(p.min_tokens for p in params):  # the common case, without a per-row property call
+            return logits
         early = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
         if not early:
             return logits

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -214,7 +215,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
   const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
   const T* pk = packed.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     std::optional<RowBest> best;
     if (chunks != nullptr) best.emplace(x.size(0));
     for (int64_t p = begin; p < end; ++p)
