@@ -73,6 +73,8 @@ def test_fused_argmax_is_torch_argmax(ext_ops, threads, rows, in_features, out_f
             y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, b, out_features)
             assert torch.equal(y, torch.ops.pagedserve.skinny_linear(x, packed, b, out_features))
             assert torch.equal(idx, y.argmax(-1))
+            ref_y, ref_idx = reference.skinny_linear_argmax(x, packed, b, out_features)
+            assert relative_error(y, ref_y) <= 1e-5 and torch.equal(ref_idx, ref_y.argmax(-1))
     finally:
         torch.set_num_threads(previous)
 
