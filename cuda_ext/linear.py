@@ -25,6 +25,13 @@ class PackedLinear:
         y = torch.ops.pagedserve.skinny_linear(rows, self.packed, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(self(x), each row's argmax)`` for 2-D fp32 ``x``, the argmax taken inside the GEMM (the LM head's
+        greedy tokens without a second pass over the logits); ``(self(x), None)`` for other inputs."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return self(x), None
+        return torch.ops.pagedserve.skinny_linear_argmax(x, self.packed, self.bias, self.out_features)
+
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
     """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on

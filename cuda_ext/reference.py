@@ -132,3 +132,10 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features, :x.shape[1]]
     y = x.float() @ weight.float().t()
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """skinny_linear's y and each row's argmax (the compiled op takes it inside the GEMM)."""
+    y = skinny_linear(x, packed, bias, out_features)
+    return y, row_argmax(y)

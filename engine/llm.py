@@ -96,7 +96,9 @@ class LLM:
 
 
 def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
-    whole = merged.setdefault(out.request_id, RequestOutput(out.request_id, out.prompt_token_ids, []))
+    whole = merged.get(out.request_id)
+    if whole is None:  # not setdefault: that would build a RequestOutput per request per step
+        whole = merged[out.request_id] = RequestOutput(out.request_id, out.prompt_token_ids, [])
     whole.finished, whole.metrics = out.finished, out.metrics
     whole.num_cached_tokens = out.num_cached_tokens
     by_index = {c.index: c for c in whole.outputs}

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.distributed.executor import create_executor
+from engine.model_runner import Logits
 from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -148,22 +149,23 @@ class LLMEngine:
         logger.exception("step failed; failing its request")
         return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
-    def _process_samples(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _process_samples(self, out: SchedulerOutput, logits: Logits | None) -> list[RequestOutput]:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
         samples, beams = out.samples(), out.beam_samples()
-        beam_tokens = beam_search.top_tokens(logits, beams) if beams else None
+        beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
         groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
         return [self._step_output(g, now) for g in groups]
 
-    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: torch.Tensor | None) -> SamplerOutput:
+    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
         if not samples:
             return SamplerOutput([], [])
-        rows = [row for row, _, _ in samples]
-        if len(rows) != logits.shape[0]:  # forks draw several tokens from one row
-            logits = logits[rows]
-        return self.sampler(logits, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples])
+        values, argmax = logits.values, logits.argmax
+        if len(samples) != values.shape[0]:  # forks draw several tokens from one row
+            rows = [row for row, _, _ in samples]
+            values, argmax = values[rows], None if argmax is None else argmax[rows]
+        return self.sampler(values, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples], argmax)
 
     def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         groups = {s.group.request_id: s.group for s in out.scheduled}
@@ -177,9 +179,11 @@ class LLMEngine:
     # ---- outputs --------------------------------------------------------
     def _step_output(self, group: SequenceGroup, now: float) -> RequestOutput:
         m = group.metrics
-        m.first_token_time = m.first_token_time or now
+        if m.first_token_time is None:
+            m.first_token_time = now
         m.last_token_time = now
-        completions = [self._delta(group, seq) for seq in group.seqs if seq.num_output_tokens > seq.num_emitted_tokens]
+        completions = [self._delta(group, seq) for seq in group.seqs
+                       if len(seq.token_ids) - seq.num_prompt_tokens > seq.num_emitted_tokens]
         return self._request_output(group, completions, None)
 
     def _resumed_end_outputs(self) -> list[RequestOutput]:
@@ -195,24 +199,24 @@ class LLMEngine:
         return self._request_output(group, completions, error)
 
     def _request_output(self, group: SequenceGroup, completions: list[CompletionOutput], error: str | None) -> RequestOutput:
+        # Positional arguments and no per-seq property calls: this runs for every group every step.
         finished = group.is_finished
         if finished:
             group.metrics.finished_time = time.time()
             self._groups.pop(group.request_id, None)
-        return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
-                             outputs=completions, finished=finished, error=error,
-                             num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+        first = group.seqs[0]
+        return RequestOutput(group.request_id, first.token_ids[:first.num_prompt_tokens], completions, finished,
+                             error, group.num_cached_tokens, group.metrics)
 
     @staticmethod
     def _delta(group: SequenceGroup, seq: Sequence) -> CompletionOutput:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = seq.num_output_tokens
+        start, seq.num_emitted_tokens = seq.num_emitted_tokens, len(seq.token_ids) - seq.num_prompt_tokens
         wants_logprobs = group.params.logprobs is not None
         return CompletionOutput(
-            index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
-            logprobs=seq.logprobs[start:] if wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
-            finish_reason=seq.status.finish_reason)
+            seq.index, seq.token_ids[seq.num_prompt_tokens + start:], "",
+            seq.logprobs[start:] if wants_logprobs else None,
+            seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
+            seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:

@@ -38,14 +38,17 @@ class Sampler:
         # Row-wise argmax, torch.argmax's result (KernelOps.row_argmax: the compiled one is ~10x faster on CPU).
         self.argmax = argmax
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM)."""
         raw = logits
         logits = self._penalize(logits, seqs, params)
         logits = self._mask_early_stops(logits, seqs, params)
+        greedy_tokens = argmax if argmax is not None and logits is raw else self.argmax(logits)
         if all(p.greedy for p in params):  # the common case: one argmax, one host copy, no per-row Python
-            tokens = self.argmax(logits)
+            tokens = greedy_tokens
         else:
-            tokens = self._sample(logits, seqs, params)
+            tokens = self._sample(logits, seqs, params, greedy_tokens)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, tokens, token_ids, params))
 
@@ -69,6 +72,8 @@ class Sampler:
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         """Below min_tokens, eos (unless ignore_eos) and stop_token_ids cannot be drawn."""
+        if not any(p.min_tokens for p in params):  # the common case, without a per-row property call
+            return logits
         early = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
         if not early:
             return logits
@@ -78,7 +83,8 @@ class Sampler:
             logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                greedy_tokens: torch.Tensor) -> torch.Tensor:
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         temps = _column([1.0 if p.greedy else p.temperature for p in params], dev)
@@ -89,7 +95,7 @@ class Sampler:
                 g = torch.Generator().manual_seed(_seed_key(p.seed, s.index, s.num_output_tokens))
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(dev)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, self.argmax(logits), sampled)
+        return torch.where(greedy, greedy_tokens, sampled)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -22,17 +22,19 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # By value: an Enum member hashes through Python code (Enum.__hash__), a str in C; these run per
+    # sequence per step.
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+        return self._value_ if self._value_ in _FINISHED else None
 
 
-_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-             SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}
+_FINISHED = frozenset(s.value for s in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                                         SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR))
 _seq_ids = itertools.count()
 
 

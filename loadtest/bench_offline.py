@@ -22,6 +22,10 @@ Every peer gets its best configuration: static batching tries ``--batch-sizes``,
 no automatic attention switch; see ``hf_continuous_config``); the best is kept, and each result stores its
 configuration (``config``: the settings, and every setting tried with its throughput) and a one-line ``detail``.
 
+``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
+...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
+(by wall time) and its ``config["runs_s"]`` lists every run's (wall, CPU) seconds.
+
 pagedserve's result also carries ``step_ms``, the mean time per engine step in GEMM, attention, the rest of
 the model, sampler, scheduler, input preparation and other (``loadtest.profile_step``'s timers, ~1 us per
 timed call), so a change in throughput can be traced to its part.
@@ -179,61 +183,99 @@ def _run_hf_continuous(manager, requests: list[Request], tag: str) -> None:
         done += result.is_finished()
 
 
+@dataclass(slots=True)
+class Measured:
+    """One timed run of one system: (wall, CPU) seconds, its settings and, for pagedserve, its step timers."""
+
+    seconds: tuple[float, float]
+    detail: str
+    config: dict
+    timers: StepTimers | None = None
+
+
+def measure_pagedserve(path: str, requests: list[Request], args) -> Measured:
+    tp = args.tensor_parallel_size
+    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp)
+    return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}",
+                    pagedserve_config(args.threads, args.backend, tp), timers)
+
+
+def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
+    tokens = sum(r.output_len for r in requests)
+    runs = {}
+    for b in args.batch_sizes:
+        runs[b] = timed(lambda: run_hf_static(hf_model, requests, b))
+        print(f"   (hf-static batch {b}: {tokens / runs[b][0]:.1f} tok/s)", flush=True)
+    best = min(runs, key=lambda b: runs[b][0])
+    return Measured(runs[best], f"best batch size {best} of {args.batch_sizes}",
+                    dict(batch_size=best, attn_implementation="sdpa", left_padding=True,
+                         tried_tok_s={b: round(tokens / w, 1) for b, (w, _) in runs.items()}))
+
+
+def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
+    tokens = sum(r.output_len for r in requests)
+    runs = {}
+    for page_size in args.hf_page_sizes:
+        runs[page_size] = bench_hf_continuous(hf_model, requests, page_size, HF_MAX_BATCH_TOKENS)
+        print(f"   (hf-continuous page size {page_size}: {tokens / runs[page_size][0]:.1f} tok/s)", flush=True)
+    best = min(runs, key=lambda p: runs[p][0])
+    config = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS)
+    return Measured(runs[best], f"best page size {best} of {args.hf_page_sizes}; num_blocks={config.num_blocks}, "
+                    f"max_batch_tokens={config.max_batch_tokens}, max_requests_per_batch={config.max_requests_per_batch}"
+                    ", auto_switch_to_flash=False, sdpa, warmed up",
+                    dict(page_size=best, num_blocks=config.num_blocks, max_batch_tokens=config.max_batch_tokens,
+                         max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
+                         attn_implementation="sdpa", warmed_up=True,
+                         tried_tok_s={p: round(tokens / w, 1) for p, (w, _) in runs.items()}))
+
+
+def median_run(runs: list[Measured]) -> Measured:
+    """The run of median wall time (the slower middle one of an even count); its config gets every run's
+    (wall, CPU) seconds as ``runs_s``."""
+    median = sorted(runs, key=lambda r: r.seconds[0])[len(runs) // 2]
+    median.config["runs_s"] = [[round(t, 3) for t in r.seconds] for r in runs]
+    return median
+
+
 def run_model(name: str, args, results: list[Result]) -> None:
     with tempfile.TemporaryDirectory() as folder:
         print(f"== {name}: writing random-weight checkpoint", flush=True)
         path = write_checkpoint(name, folder)
         hf_model = None
+        if not (args.skip_hf_static and args.skip_hf_continuous):
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
         for workload in args.workloads:
             requests = make_workload(workload, args.num_requests, MODELS[name]["config"]["vocab_size"], args.seed)
             tokens = sum(r.output_len for r in requests)
             mean_in = sum(len(r.prompt) for r in requests) / len(requests)
             print(f"-- {workload}: {len(requests)} requests, mean input {mean_in:.0f}, "
                   f"mean output {tokens / len(requests):.0f}", flush=True)
-
-            def record(system: str, seconds: tuple[float, float], detail: str, config: dict,
-                       timers: StepTimers | None = None) -> None:
-                wall, cpu = seconds
-                result = Result(name, workload, system, tokens / wall, wall, tokens / cpu, tokens, detail, config)
-                if timers is not None:
-                    result.step_ms, result.step_cpu_ms = (_rounded(timers.breakdown(cpu=c)) for c in (False, True))
-                results.append(result)
-                print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
-                      f"CPU-s) {detail}", flush=True)
-                for clock, ms in (("wall", result.step_ms), ("CPU", result.step_cpu_ms)) if timers else ():
-                    print(f"   per step ({clock} ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
-
-            tp = args.tensor_parallel_size
-            seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp)
-            record("pagedserve", seconds, f"backend={args.backend}, tensor_parallel_size={tp}",
-                   pagedserve_config(args.threads, args.backend, tp), timers)
-            if hf_model is None and not (args.skip_hf_static and args.skip_hf_continuous):
-                hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
+            systems = {"pagedserve": lambda: measure_pagedserve(path, requests, args)}
             if not args.skip_hf_static:
-                runs = {}
-                for b in args.batch_sizes:
-                    runs[b] = timed(lambda: run_hf_static(hf_model, requests, b))
-                    print(f"   (hf-static batch {b}: {tokens / runs[b][0]:.1f} tok/s)", flush=True)
-                best = min(runs, key=lambda b: runs[b][0])
-                record("hf-static", runs[best], f"best batch size {best} of {args.batch_sizes}",
-                       dict(batch_size=best, attn_implementation="sdpa", left_padding=True,
-                            tried_tok_s={b: round(tokens / w, 1) for b, (w, _) in runs.items()}))
+                systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
-                runs = {}
-                for page_size in args.hf_page_sizes:
-                    runs[page_size] = bench_hf_continuous(hf_model, requests, page_size, HF_MAX_BATCH_TOKENS)
-                    print(f"   (hf-continuous page size {page_size}: {tokens / runs[page_size][0]:.1f} tok/s)", flush=True)
-                best = min(runs, key=lambda p: runs[p][0])
-                config = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS)
-                record("hf-continuous", runs[best], f"best page size {best} of {args.hf_page_sizes}; "
-                       f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
-                       f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, "
-                       "sdpa, warmed up",
-                       dict(page_size=best, num_blocks=config.num_blocks, max_batch_tokens=config.max_batch_tokens,
-                            max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
-                            attn_implementation="sdpa", warmed_up=True,
-                            tried_tok_s={p: round(tokens / w, 1) for p, (w, _) in runs.items()}))
+                systems["hf-continuous"] = lambda: measure_hf_continuous(hf_model, requests, args)
+            runs: dict[str, list[Measured]] = {system: [] for system in systems}
+            for _ in range(args.repeats):  # the systems alternate, so load that comes and goes hits each alike
+                for system, measure in systems.items():
+                    runs[system].append(measure())
+                    print(f"   ({system} run {len(runs[system])}: {tokens / runs[system][-1].seconds[0]:.1f} tok/s)",
+                          flush=True)
+            for system, measured in runs.items():
+                results.append(_record(name, workload, system, tokens, median_run(measured)))
+
+
+def _record(model: str, workload: str, system: str, tokens: int, m: Measured) -> Result:
+    wall, cpu = m.seconds
+    result = Result(model, workload, system, tokens / wall, wall, tokens / cpu, tokens, m.detail, m.config)
+    if m.timers is not None:
+        result.step_ms, result.step_cpu_ms = (_rounded(m.timers.breakdown(cpu=c)) for c in (False, True))
+    print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
+          f"CPU-s) {m.detail}", flush=True)
+    for clock, ms in (("wall", result.step_ms), ("CPU", result.step_cpu_ms)) if m.timers else ():
+        print(f"   per step ({clock} ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
+    return result
 
 
 def _rounded(ms: dict[str, float]) -> dict[str, float]:
@@ -271,6 +313,8 @@ def main() -> None:
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per system, alternating systems; the median run is reported")
     parser.add_argument("--beam-width", type=int, default=0, help="also run loadtest.bench_beam at this width")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")

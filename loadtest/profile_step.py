@@ -6,7 +6,7 @@ Writes bench_offline's random-weight checkpoint of ``--model``, starts ``--num-s
 (``--prompt-len`` tokens each, long enough outputs that none finishes), steps past their prefill, then
 times ``--steps`` decode steps. Per step, in ms:
 
-* gemm: every linear layer, the LM head included (the skinny GEMM on CPU)
+* gemm: every linear layer, the LM head included (the skinny GEMM on CPU; the LM head's fused argmax too)
 * attention: the paged attention layers (K/V write + attention)
 * model other: the rest of the forward (embedding, fused norms, rotary, SiLU-and-mul, the layers' Python)
 * sampler, scheduler (``schedule`` + ``update_from_output``), prepare (the runner's input tensors)
@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.distributed.executor import ModelExecutor
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
+from engine.layers.vocab_parallel import ParallelLMHead
 from engine.llm_engine import LLMEngine
 
 # What the wrappers measure (nested: gemm and attention are inside model, model inside step).
@@ -95,7 +96,9 @@ def instrument(engine: LLMEngine) -> StepTimers:
     timers.wrap(model, "forward", "model")
     timers.wrap(model, "compute_logits", "model")
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, ParallelLMHead):  # its GEMM (with the fused argmax) runs through with_argmax
+            timers.wrap(module, "with_argmax", "gemm")
+        elif isinstance(module, Linear):
             timers.wrap(module, "forward", "gemm")
         elif isinstance(module, PagedAttention):
             timers.wrap(module, "forward", "attention")

@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 namespace pagedserve {
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -15,6 +17,9 @@ bool skinny_linear_supports_cpu(at::ScalarType dtype);
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight);
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                              int64_t out_features);
+std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                            const c10::optional<at::Tensor>& bias,
+                                                            int64_t out_features);
 at::Tensor fused_add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);

@@ -18,6 +18,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("row_argmax(Tensor x) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
   // No tensor argument to dispatch on: one kernel for every device.
   m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
 }
@@ -33,4 +34,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("row_argmax", &pagedserve::row_argmax_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
+  m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);
 }

@@ -261,11 +261,13 @@ class Scheduler:
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
         p, max_len = group.params, self.config.max_model_len
-        if seq.num_output_tokens >= p.min_tokens and (
+        num_tokens = len(seq.token_ids)  # not the properties: this runs per sequence per step
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             self.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
-        elif ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-              or (max_len is not None and seq.num_tokens >= max_len)):
+        elif ((p.max_tokens is not None and num_output >= p.max_tokens)
+              or (max_len is not None and num_tokens >= max_len)):
             self.finish_seq(group, seq, SequenceStatus.FINISHED_LENGTH)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -24,7 +24,7 @@ from engine.distributed.parallel_state import TensorParallel, init_tensor_parall
 from engine.distributed.plan import send_plan
 from engine.distributed.worker import run_worker
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import Logits, ModelRunner
 from engine.models import model_class
 from engine.models.config import read_model_config
 from engine.resolved_config import ResolvedConfig, resolve_config
@@ -86,7 +86,7 @@ class ModelExecutor:
         # Also when the engine is dropped or the interpreter exits: the next engine may form a group.
         self.shutdown = weakref.finalize(self, _stop_group, tp, workers, watchdog)
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput) -> Logits | None:
         plan = self.runner.plan(out)
         try:
             send_plan(self.tp, plan)

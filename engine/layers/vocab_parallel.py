@@ -52,5 +52,12 @@ class ParallelLMHead(Linear):
         logits = self.tp.gather_last_dim(super().forward(x))
         return None if logits is None else logits[..., :self.vocab_size]
 
+    def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(self(x), each row's argmax)``, the argmax fused into the packed GEMM where it can be (one rank,
+        fp32), else None: the sampler then takes it from the logits."""
+        if self.tp.size == 1 and self.packed is not None:
+            return self.packed.with_argmax(x)
+        return self(x), None
+
     def checkpoint_shard(self, param: str, part: int | None) -> Shard:
         return self.shard

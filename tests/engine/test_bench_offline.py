@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_offline import WORKLOADS, Result, make_workload, summarize
+from loadtest.bench_offline import WORKLOADS, Measured, Result, make_workload, median_run, summarize
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -25,6 +25,13 @@ def test_summary_ratios():
     (row,) = summarize(results)
     assert row["ratio_vs_hf-static"] == 3.0 and row["ratio_vs_hf-continuous"] == 2.0
     assert row["cpu_ratio_vs_hf-static"] == 1.5 and row["cpu_ratio_vs_hf-continuous"] == 3.0
+
+
+def test_median_run_keeps_every_run():
+    runs = [Measured((3.0, 5.0), "a", {}), Measured((1.0, 2.0), "b", {}), Measured((2.0, 4.0), "c", {})]
+    median = median_run(runs)
+    assert median.detail == "c" and median.config["runs_s"] == [[3.0, 5.0], [1.0, 2.0], [2.0, 4.0]]
+    assert median_run(runs[:2]).detail == "a"  # an even count: the slower middle run
 
 
 def test_step_breakdown_accounts_for_every_step(llama_checkpoint):

@@ -69,6 +69,19 @@ def test_penalties_match_formula():
     assert torch.allclose(got, want)
 
 
+def test_fused_argmax_stands_only_for_untouched_logits():
+    """The LM head's fused argmax gives the greedy tokens unless a penalty or min_tokens changed the logits."""
+    sampler = Sampler(eos_token_ids={1}, seed=0)
+    seq = Sequence([0, 2], num_prompt_tokens=1)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    fused = torch.tensor([3])  # deliberately not the argmax: shows which one was used
+    assert sampler(logits, [seq], [SamplingParams(temperature=0.0)], fused).token_ids == [3]
+    assert sampler(logits, [seq], [SamplingParams(temperature=0.0, min_tokens=5)], fused).token_ids == [2]  # no eos
+    assert sampler(logits, [seq], [SamplingParams(temperature=0.0, repetition_penalty=2.0)], fused).token_ids == [1]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)]
+    assert sampler(logits.repeat(2, 1), [seq, seq], mixed, torch.tensor([3, 3])).token_ids == [3, 1]
+
+
 # ---- end to end against HF ---------------------------------------------------
 def test_repetition_penalty_matches_hf(llama_checkpoint):
     prompts = mixed_prompts(6, seed=3)

@@ -60,6 +60,41 @@ def test_zero_rows_and_leading_dims(ext_ops):
     assert relative_error(packed(x), torch.nn.functional.linear(x, weight, bias)) <= 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 256, 32000), (7, 37, 100), (64, 256, 2000),
+                                                            (13, 129, 1000), (65, 64, 17), (300, 64, 130)])
+def test_fused_argmax_is_torch_argmax(ext_ops, threads, rows, in_features, out_features):
+    x, weight, bias = random_layer(rows, in_features, out_features, rows, bias=True)
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, b, out_features)
+            assert torch.equal(y, torch.ops.pagedserve.skinny_linear(x, packed, b, out_features))
+            assert torch.equal(idx, y.argmax(-1))
+            ref_y, ref_idx = reference.skinny_linear_argmax(x, packed, b, out_features)
+            assert relative_error(y, ref_y) <= 1e-5 and torch.equal(ref_idx, ref_y.argmax(-1))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_fused_argmax_ties_nan_and_inf(ext_ops):
+    """The first maximum wins, in any panel or lane; a NaN counts as the maximum (the first one); -inf rows."""
+    x, weight, _ = random_layer(5, 64, 200, 11, bias=False)
+    weight[150], weight[199], weight[67] = weight[3], weight[3], weight[3]  # ties across panels and lanes
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    ninf = torch.full((200,), float("-inf"))
+    biases = [None, torch.zeros(200).index_fill_(0, torch.tensor([70, 190]), float("nan")),
+              ninf, ninf.clone().index_fill_(0, torch.tensor([199]), 1.0)]
+    for bias in biases:
+        y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, bias, 200)
+        assert torch.equal(idx, y.argmax(-1))
+    assert idx.tolist() == [199] * 5
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        torch.ops.pagedserve.skinny_linear_argmax(x.bfloat16(), packed.bfloat16(), None, 200)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 6, 18, 64, 130])
 @pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17)])
 def test_bf16_matches_fp32_math(ext_ops, rows, in_features, out_features):

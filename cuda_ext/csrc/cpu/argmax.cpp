@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "../ops.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -55,7 +56,7 @@ at::Tensor row_argmax_cpu(const at::Tensor& x) {
   const float* base = x.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
   const int64_t n = x.size(1), stride = x.stride(0);
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, (int64_t{1} << 15) / n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, x.size(0), std::max<int64_t>(1, (int64_t{1} << 15) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = base + r * stride;
       idx[r] = first_index_of(row, n, row_max(row, n));

@@ -18,6 +18,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -325,7 +326,7 @@ void run(const Problem<T>& p, int64_t num_seqs, int64_t num_kv_heads) {
   // A fork/join costs more than a tiny batch's whole attention.
   const int64_t threads = std::clamp<int64_t>(work / kMinWorkPerThread, 1, at::get_num_threads());
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch sc(rows, D, p.block_size);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) attend<T, D>(p, items[i], sc);
   });

@@ -7,6 +7,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -26,7 +27,7 @@ void copy_rows(const char* src, int64_t src_rows, char* dst, int64_t dst_rows, i
   const int64_t n = mapping.size(0);
   check_mapping_range(m, n, src_rows, dst_rows);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / row_bytes);  // >= 1 MiB per thread
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       std::memcpy(dst + m[2 * i + 1] * row_bytes, src + m[2 * i] * row_bytes, row_bytes);
   });
@@ -44,7 +45,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   const auto* v = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
-  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (s[t] < 0) continue;  // padding token
       TORCH_CHECK(s[t] < num_slots, "slot ", s[t], " out of range (", num_slots, " slots)");

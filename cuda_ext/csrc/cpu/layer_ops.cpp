@@ -16,6 +16,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace {
@@ -37,7 +38,7 @@ void round_as(float* buf, T* scratch, int64_t n) {
 template <typename T>
 void add_rms_norm_rows(T* residual, int64_t res_stride, const T* x, int64_t x_stride, const T* weight, T* out,
                        int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     std::vector<float> h(n), w(n), tmp(n);
     std::vector<T> scratch(n);
     at::vec::convert(weight, w.data(), n);
@@ -79,7 +80,7 @@ template <typename T>
 void rotary_rows(const at::Tensor& x, const int64_t* positions, const T* cos, const T* sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   T* base = x.data_ptr<T>();
-  at::parallel_for(0, tokens, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
     std::vector<float> c(half), s(half), buf(6 * half);
     std::vector<T> scratch(4 * half);
     for (int64_t t = begin; t < end; ++t) {
@@ -93,7 +94,7 @@ void rotary_rows(const at::Tensor& x, const int64_t* positions, const T* cos, co
 
 template <typename T>
 void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
     std::vector<float> g(d), u(d);
     std::vector<T> scratch(d);
     for (int64_t r = begin; r < end; ++r) {

@@ -7,6 +7,9 @@
 // tile in registers: per k, kPanel / kW weight vectors times kRows broadcasts of x,
 // one FMA each. Threads split the panels (the output dimension).
 //
+// skinny_linear_argmax also returns each row's argmax (the LM head's greedy token), taken from each
+// output tile while it is in L1: a separate pass over [64, 32000] logits reads them back from L3 (~0.35 ms).
+//
 // bf16 (builds for AVX512-BF16 CPUs only): a panel is [ceil(K / 2), kPanel, 2], k
 // pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
 // pair of weights per lane and adds both products to the fp32 accumulator.
@@ -17,9 +20,17 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../ops.h"
+#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -37,7 +48,7 @@ constexpr int64_t kW = Vec::size();
 constexpr int64_t kPanelVecs = kW == 16 ? 4 : 2;
 constexpr int64_t kPanel = kPanelVecs * kW;  // output columns per packed panel
 constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register tile
-constexpr int64_t kMinWorkPerThread = 1 << 17;  // multiply-adds (~10 us) worth a thread's fork
+constexpr int64_t kMinWorkPerThread = 1 << 20;  // multiply-adds (~12 us of fp32 AVX-512) worth a thread
 
 // One element type's k step of the micro-kernel: the panel's kPanelVecs weight
 // operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
@@ -122,9 +133,64 @@ inline void store_row(const float* src, const BFloat16* bias, int64_t cols, BFlo
   for (int64_t c = 0; c < cols; ++c) dst[c] = BFloat16(src[c] + (bias != nullptr ? float(bias[c]) : 0.f));
 }
 
-// All rows of x against panel p, into y's columns [p * kPanel, +cols).
+// The fused argmax: per row, a running lane-wise maximum over the columns one thread computes. Lane l
+// sees its columns in increasing order, so a strict > keeps the first maximum; the column is kept as a
+// float (exact below 2^24). NaNs only show in a NaN-propagating maximum kept beside it: such rows (and
+// rows of -inf) are redone by row_argmax, whose rule (the first NaN wins) costs more to follow here.
+class RowBest {
+ public:
+  using Result = std::vector<std::pair<float, int64_t>>;  // per row (max, column); column -1: redo the row
+
+  explicit RowBest(int64_t rows)
+      : value_(rows * kW, -std::numeric_limits<float>::infinity()), column_(rows * kW, -1.f), top_(rows * kW, 0.f) {
+    for (int64_t v = 0; v < kPanelVecs; ++v) lanes_[v] = Vec::arange(static_cast<float>(v * kW), 1.f);
+  }
+
+  // Row r's values at columns [col0, col0 + cols), cols <= kPanel.
+  void update(int64_t r, const float* src, int64_t col0, int64_t cols) {
+    float *value = value_.data() + r * kW, *column = column_.data() + r * kW, *top = top_.data() + r * kW;
+    if (cols < kPanel) {  // the last, partial panel: its padding columns must not count
+      for (int64_t c = 0; c < cols; ++c) {
+        if (src[c] > value[c % kW]) value[c % kW] = src[c], column[c % kW] = static_cast<float>(col0 + c);
+        if (std::isnan(src[c])) top[c % kW] = src[c];
+      }
+      return;
+    }
+    const Vec base(static_cast<float>(col0));
+    Vec best = Vec::loadu(value), at = Vec::loadu(column), nan_max = Vec::loadu(top);
+    for (int64_t v = 0; v < kPanelVecs; ++v) {
+      const Vec x = Vec::loadu(src + v * kW), greater = x > best;
+      best = Vec::blendv(best, x, greater);
+      at = Vec::blendv(at, base + lanes_[v], greater);
+      nan_max = at::vec::maximum(nan_max, x);
+    }
+    best.store(value), at.store(column), nan_max.store(top);
+  }
+
+  Result result() const {
+    const int64_t rows = static_cast<int64_t>(value_.size()) / kW;
+    Result out(rows, {0.f, -1});
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *value = value_.data() + r * kW, *column = column_.data() + r * kW, *top = top_.data() + r * kW;
+      if (std::any_of(top, top + kW, [](float f) { return std::isnan(f); })) continue;
+      for (int64_t l = 0; l < kW; ++l) {
+        const auto c = static_cast<int64_t>(column[l]);
+        if (c >= 0 && (out[r].second < 0 || value[l] > out[r].first || (value[l] == out[r].first && c < out[r].second)))
+          out[r] = {value[l], c};
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::vector<float> value_, column_, top_;  // [rows, kW] each
+  Vec lanes_[kPanelVecs];  // a panel's column offsets, lane by lane
+};
+
+// With ``best``, each output row's columns also go into its running argmax (fp32 only).
 template <typename S, typename T = typename S::T>
-void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y) {
+void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y,
+               RowBest* best) {
   const int64_t m = x.size(0), k_len = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>() + p * kPanel;
@@ -132,21 +198,49 @@ void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, in
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int64_t rows = std::min(kRows, m - r0);
     tile_rows<S>(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
       store_row(tmp + r * kPanel, bias == nullptr ? nullptr : bias + p * kPanel, cols, yp + (r0 + r) * ldy);
+      if constexpr (std::is_same_v<T, float>)
+        if (best != nullptr) best->update(r0 + r, yp + (r0 + r) * ldy, p * kPanel, cols);
+    }
   }
 }
 
+// With ``chunks`` (one entry per panel), the thread that computes panels [begin, end) leaves its rows'
+// argmax in chunks[begin].
 template <typename S, typename T = typename S::T>
-void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+         std::vector<RowBest::Result>* chunks = nullptr) {
   const int64_t out_features = y.size(1), panels = packed.size(0), panel_numel = packed[0].numel();
   const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
   const T* pk = packed.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    std::optional<RowBest> best;
+    if (chunks != nullptr) best.emplace(x.size(0));
     for (int64_t p = begin; p < end; ++p)
-      run_panel<S>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y);
+      run_panel<S>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y,
+                   best ? &*best : nullptr);
+    if (best) (*chunks)[begin] = best->result();
   });
+}
+
+// Each row's argmax over the threads' chunks (in column order, so a strict > keeps the first maximum);
+// a row some chunk flagged is redone by row_argmax.
+at::Tensor combine_chunks(const std::vector<RowBest::Result>& chunks, const at::Tensor& y) {
+  at::Tensor idx = at::empty({y.size(0)}, y.options().dtype(at::kLong));
+  int64_t* out = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < y.size(0); ++r) {
+    std::pair<float, int64_t> best{0.f, -1};
+    bool redo = false;
+    for (const auto& chunk : chunks) {
+      if (chunk.empty()) continue;
+      redo = redo || chunk[r].second < 0;
+      if (!redo && (best.second < 0 || chunk[r].first > best.first)) best = chunk[r];
+    }
+    out[r] = redo ? row_argmax_cpu(y.narrow(0, r, 1)).item<int64_t>() : best.second;
+  }
+  return idx;
 }
 
 }  // namespace
@@ -172,8 +266,8 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   return even.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).reshape({panels, pairs, 2 * kPanel});
 }
 
-at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                             int64_t out_features) {
+static void check_inputs(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && skinny_linear_supports_cpu(dtype) && x.stride(1) == 1,
               "skinny_linear: x must be [rows, in_features] with a dense last dim, in a dtype this build supports "
@@ -189,16 +283,34 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == dtype,
                 "skinny_linear: bias must be contiguous ", dtype, " [", out_features, "]");
+}
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t out_features) {
+  check_inputs(x, packed, bias, out_features);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
 #ifdef PAGEDSERVE_SKINNY_BF16
-  if (dtype == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16) {
     run<Bf16Step>(x, packed, bias, y);
     return y;
   }
 #endif
   run<F32Step>(x, packed, bias, y);
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                            const c10::optional<at::Tensor>& bias,
+                                                            int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out_features > 0 && out_features < (int64_t{1} << 24),
+              "skinny_linear_argmax: fp32 only, 0 < out_features < 2^24, got ", x.scalar_type(), " ", out_features);
+  check_inputs(x, packed, bias, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return {y, at::empty({0}, x.options().dtype(at::kLong))};
+  std::vector<RowBest::Result> chunks(packed.size(0));
+  run<F32Step>(x, packed, bias, y, &chunks);
+  return {y, combine_chunks(chunks, y)};
 }
 
 }  // namespace pagedserve
