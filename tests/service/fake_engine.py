@@ -1,7 +1,7 @@
 """A stand-in for LLMEngine in worker and gateway tests."""
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from tests.service.conftest import engine_stats
@@ -12,22 +12,27 @@ BOOM_ON_STEP = 14  # ... and with this one, the next step
 
 class FakeEngine:
     """The LLMEngine API in miniature: each step emits one token per request
-    (66, 67, ... : "B", "C", ... in the demo tokenizer)."""
+    (66, 67, ... : "B", "C", ... in the demo tokenizer); a resumed request continues the count
+    after its delivered tokens (``resumed`` records each ResumeState)."""
 
     max_model_len = 2048
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
+        self.resumed: dict[str, ResumeState] = {}
         self.capacity = True
         self._boom = False
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    resume: ResumeState | None = None) -> None:
         if prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")
         self._boom |= prompt_token_ids[0] == BOOM_ON_STEP
-        self.requests[request_id] = [params.max_tokens, 0]
+        self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
+        if resume is not None:
+            self.resumed[request_id] = resume
         self.added.append(request_id)
 
     def abort_request(self, request_ids) -> None:
