@@ -1,6 +1,8 @@
 """A stand-in for LLMEngine in worker and gateway tests."""
 from __future__ import annotations
 
+import time
+
 from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -17,7 +19,8 @@ class FakeEngine:
 
     max_model_len = 2048
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s  # each step sleeps this long (on the worker's step thread)
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
         self.resumed: dict[str, ResumeState] = {}
@@ -40,6 +43,7 @@ class FakeEngine:
             self.requests.pop(request_id, None)
 
     def step(self) -> list:
+        time.sleep(self.step_s)
         if self._boom:
             self._boom = False
             raise RuntimeError("kaboom")
