@@ -217,8 +217,9 @@ async def run_reader(args: argparse.Namespace) -> dict:
     await web.TCPSite(runner, "127.0.0.1", args.port).start()
     tasks = [asyncio.create_task(reader.read()), asyncio.create_task(reader.beat())]
     (cpu0,), (cpu1,) = await window(args, lambda: (time.process_time(),))
-    for task in tasks:
-        task.cancel()
+    for task in tasks:  # a crashed reader would make the figures meaningless
+        if task.done():
+            task.result()
     return {"cpu_s": cpu1 - cpu0}
 
 
@@ -238,7 +239,11 @@ class ClientStats:
 async def one_stream(port: int, max_tokens: int, args: argparse.Namespace, stats: ClientStats) -> None:
     """Requests one after the other on a fresh connection each (HTTP/1.0: no chunking, closed at the end)."""
     while time.time() < args.t1:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:  # the gateway is still starting
+            await asyncio.sleep(0.2)
+            continue
         writer.write(f"GET /stream?max_tokens={max_tokens} HTTP/1.0\r\nHost: bench\r\n\r\n".encode())
         previous = None
         while line := await reader.readline():
@@ -264,12 +269,17 @@ async def run_clients(args: argparse.Namespace) -> dict:
 ROLES = {"worker": run_worker, "reader": run_reader, "clients": run_clients}
 
 
-def child_main(args: argparse.Namespace) -> None:
-    import uvloop
-    result = uvloop.run(ROLES[args.role](args))
+async def child(args: argparse.Namespace) -> None:
+    result = await ROLES[args.role](args)
     with open(args.out, "w") as f:
         json.dump(result, f)
-    os._exit(0)  # a bench child: its leftover connections and tasks need no orderly teardown
+    # A bench child needs no orderly teardown: cancelling a blocking redis-py read can hang it.
+    os._exit(0)
+
+
+def child_main(args: argparse.Namespace) -> None:
+    import uvloop
+    uvloop.run(child(args))
 
 
 # ---- the orchestrator ----
@@ -300,7 +310,6 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict:
         for i, port in enumerate(ports):
             children[f"gateway{i}"] = spawn(GATEWAYS[args.gateway][1], f"{tmp}/gateway{i}.json", common,
                                             "--port", str(port), "--gateway-id", f"gw{i}")
-        time.sleep(_STARTUP_S / 2)  # the gateways listen before their clients connect
         for i, (port, share) in enumerate(zip(ports, shares)):
             children[f"clients{i}"] = spawn("clients", f"{tmp}/clients{i}.json", common,  # the last --streams wins
                                             "--streams", str(share), "--port", str(port))

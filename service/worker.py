@@ -338,10 +338,12 @@ class Worker:
         for c in out.outputs:
             run.tokens[c.index] += c.token_ids
             run.reasons[c.index] = c.finish_reason
-            choices.append(ChoiceDelta(c.index, list(c.token_ids), c.logprobs, c.finish_reason))
+            choices.append(ChoiceDelta(c.index, c.token_ids, c.logprobs, c.finish_reason))
         run.num_cached_tokens = out.num_cached_tokens
-        return run.handle, self._counted(run, EventKind.OUTPUT, choices=choices, finished=out.finished,
-                                         num_cached_tokens=out.num_cached_tokens)
+        run.next_index += 1
+        # Positional: this runs per request per step, the worker's hottest line.
+        return run.handle, ReplyEvent(EventKind.OUTPUT, self.config.engine_id, self.incarnation, choices, out.finished,
+                                      out.num_cached_tokens, None, 500, run.next_index - 1)
 
     def _fail_all(self, error: str, status: int) -> Published:
         try:
