@@ -101,8 +101,9 @@ class SyntheticEngine:
 async def run_worker(args: argparse.Namespace) -> dict:
     from service.config import RedisConfig, WorkerConfig
     from service.redis_worker import RedisWorkerBroker
-    from service.worker import Worker
+    from service.worker import Worker, tune_gc
 
+    tune_gc()  # as the pagedserve worker does
     redis = RedisConfig(url=args.redis_url, prefix=args.prefix)
     config = WorkerConfig(redis=redis, engine_id="bench-worker", max_pull=64, drain_timeout_s=0)
     engine = SyntheticEngine(args.step_ms / 1000, max_seqs=args.streams * 2)

@@ -131,9 +131,10 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 async def _serve_worker(config: WorkerConfig) -> int:
     from engine import LLMEngine
     from service.redis_worker import RedisWorkerBroker
-    from service.worker import Worker
+    from service.worker import Worker, tune_gc
 
     engine = LLMEngine(config.engine)
+    tune_gc()
     name = served_name(config.engine.model, config.served_model_name)
     broker = RedisWorkerBroker(config.redis, config.engine_id, name, config.reply_ttl_s, config.heartbeat_ttl_s)
     worker = Worker(config, engine, name, broker)

@@ -158,23 +158,26 @@ class RedisWorkerBroker:
         for progress in checkpoints:
             pipe.set(self._keys.progress(progress.request_id), encode(progress), ex=UNFINISHED_TTL_S)
         finished = [handle for handle, event in items if event.finished]
-        for handle in finished:
-            self._finish(pipe, handle)
+        self._finish(pipe, finished)
         await pipe.execute()
         self._running.difference_update(h.entry_id for h in finished)
 
-    def _finish(self, pipe: aioredis.client.Pipeline, handle: RequestHandle) -> None:
-        if handle.request_id:
-            for key in (self._keys.request, self._keys.owner, self._keys.progress):
-                pipe.expire(key(handle.request_id), self._reply_ttl_s)
-        pipe.xack(self._requests, GROUP, handle.entry_id)
-        pipe.xdel(self._requests, handle.entry_id)
+    def _finish(self, pipe: aioredis.client.Pipeline, handles: list[RequestHandle]) -> None:
+        if not handles:
+            return
+        for handle in handles:
+            if handle.request_id:
+                for key in (self._keys.request, self._keys.owner, self._keys.progress):
+                    pipe.expire(key(handle.request_id), self._reply_ttl_s)
+        entry_ids = [h.entry_id for h in handles]
+        pipe.xack(self._requests, GROUP, *entry_ids)
+        pipe.xdel(self._requests, *entry_ids)
 
     @_unavailable_on_error
     async def ack(self, handle: RequestHandle) -> None:
         """Ends an entry that needs no reply: unreadable, or its request finished before."""
         pipe = self._client.pipeline(transaction=False)
-        self._finish(pipe, handle)
+        self._finish(pipe, [handle])
         await pipe.execute()
         self._running.discard(handle.entry_id)
 

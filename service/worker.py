@@ -22,6 +22,7 @@ rest at once. ``max_failed_steps`` consecutive failed steps end the worker with
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -400,6 +401,15 @@ class Worker:
             log.warning("leaving %d unfinished requests to other engines", len(self._owned))
         await self.broker.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def tune_gc() -> None:
+    """For a worker process, once its engine is loaded. The worker allocates a few objects per token per
+    step: with the default thresholds, young collections run several times a step and full ones walk every
+    object of torch and the model (measured: ~1.2 us of worker CPU per token at 256 streams,
+    loadtest/bench_broker.py). Frozen, those are out of the collector's reach; collections get rarer."""
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
 
 
 def _resume_state(run: _Run, params: SamplingParams) -> ResumeState | None:
