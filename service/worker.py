@@ -390,6 +390,8 @@ class Worker:
                                                   self.engine.max_model_len, self._stats))
         except BrokerUnavailable as exc:
             log.warning("heartbeat failed: %s", exc)
+        except Exception:  # the beat task must outlive any bug: without it, others take this engine for dead
+            log.exception("heartbeat failed")
 
     async def _shutdown(self) -> None:
         """The last replies go out; requests still running are left pending, and the heartbeat is deleted,
