@@ -8,6 +8,8 @@ gateway sides share ``ReplyRouter``, the bookkeeping that does not depend on tra
 - Each request's replies reach its gateway in the order the worker published them.
 - Every worker sees every abort on its next poll, also for requests still queued.
 - A request's queue entry is acked only when the request has finished.
+- A request runs on one engine at a time: a duplicated queue entry is dropped, and a dead
+  engine's unfinished requests are resumed by a live one (Redis only: one process never dies alone).
 - Gateways know the live engines from their heartbeats, and fail a request whose
   engine stopped beating (or every queued request once no engine is left).
 """
