@@ -246,18 +246,26 @@ async def one_stream(port: int, max_tokens: int, args: argparse.Namespace, stats
             await asyncio.sleep(0.2)
             continue
         writer.write(f"GET /stream?max_tokens={max_tokens} HTTP/1.0\r\nHost: bench\r\n\r\n".encode())
-        previous = None
-        while line := await reader.readline():
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.time()
-            if args.t0 <= now <= args.t1:
-                stats.tokens += 1
-                if previous is not None:
-                    stats.gaps_ms.append((now - previous) * 1000)
-            previous = now
-        writer.close()
+        try:
+            await read_events(reader, args, stats)
+        except ConnectionError:  # the gateway process ended with the window
+            return
+        finally:
+            writer.close()
         stats.requests += 1
+
+
+async def read_events(reader: asyncio.StreamReader, args: argparse.Namespace, stats: ClientStats) -> None:
+    previous = None
+    while line := await reader.readline():
+        if not line.startswith(b"data: {"):
+            continue
+        now = time.time()
+        if args.t0 <= now <= args.t1:
+            stats.tokens += 1
+            if previous is not None:
+                stats.gaps_ms.append((now - previous) * 1000)
+        previous = now
 
 
 async def run_clients(args: argparse.Namespace) -> dict:
