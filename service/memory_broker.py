@@ -143,6 +143,9 @@ class MemoryWorkerBroker:
     async def reclaim(self, room: int) -> list[Pulled]:
         return []
 
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        return []
+
     async def gateways(self) -> dict[str, GatewayBeat]:
         return {gateway_id: GatewayBeat(gateway_id) for gateway_id in self.bus.gateways}
 

@@ -234,6 +234,18 @@ class RedisWorkerBroker:
         return pulled
 
     @_unavailable_on_error
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        """Those of these requests whose owner key names another consumer now: another engine resumed them
+        while this one looked dead."""
+        if not handles:
+            return []
+        owners = await self._client.mget([self._keys.owner(h.request_id) for h in handles])
+        me = self.consumer.encode()
+        lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
+        self._running.difference_update(h.entry_id for h in lost)
+        return lost
+
+    @_unavailable_on_error
     async def gateways(self) -> dict[str, GatewayBeat]:
         """The live gateways by id; an unreadable beat counts as alive (it beats), adopting nothing."""
         ids = sorted(i.decode() for i in await self._client.smembers(self._keys.gateways))

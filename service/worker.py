@@ -111,6 +111,7 @@ class Worker:
         self._housekeeping_at = 0.0
         self._gateway_gone_since: dict[str, float] = {}
         self._iterations = 0  # the heartbeat stops when this stands still (a hung step)
+        self._beat_ok_at = time.monotonic()
         self._failed_steps = 0
         self._drain_deadline: float | None = None
 
@@ -160,7 +161,7 @@ class Worker:
         events += await self._admit(polled.pulled) + self._abort_owned(polled.aborts)
         if polled.gateways is not None:
             events += self._abort_orphans(polled.gateways)
-        await self._publish_later(events)
+        await self._publish_later(events, await self._taken_over(events))
         self._refresh_stats()
 
     async def _step_while_polling(self, room: int) -> tuple[Published, _Polled]:
@@ -186,13 +187,30 @@ class Worker:
                 log.warning("reading dead engines and live gateways: %s", exc)
         return polled
 
-    async def _publish_later(self, events: Published) -> None:
+    async def _taken_over(self, events: Published) -> set[str]:
+        """After a gap in the beats longer than their TTL (a hung step, Redis out of reach), other engines may
+        have resumed some of this one's requests: those are dropped here, their replies unpublished."""
+        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s:
+            return set()
+        handles = {h.request_id: h for h, _ in self._outbox + events} | {r: run.handle for r, run in self._owned.items()}
+        try:
+            lost = {h.request_id for h in await self.broker.taken_over(list(handles.values()))}
+        except BrokerUnavailable:
+            return set()
+        if lost:
+            log.warning("%d requests were resumed by other engines while this one stalled: dropping them", len(lost))
+            self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
+        return lost
+
+    async def _publish_later(self, events: Published, dropped: set[str] = frozenset()) -> None:
         """Publishes while the next step runs; waits for the previous call first, so each
         request's replies stay in order. What failed to go out goes first next time."""
         previous, self._publishing = self._publishing, None
         if previous is not None:
             await previous
         self._outbox += events
+        if dropped:
+            self._outbox = [item for item in self._outbox if item[0].request_id not in dropped]
         if self._outbox:
             self._publishing = asyncio.create_task(self._flush())
 
@@ -388,6 +406,7 @@ class Worker:
         try:
             await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
                                                   self.engine.max_model_len, self._stats))
+            self._beat_ok_at = time.monotonic()
         except BrokerUnavailable as exc:
             log.warning("heartbeat failed: %s", exc)
         except Exception:  # the beat task must outlive any bug: without it, others take this engine for dead

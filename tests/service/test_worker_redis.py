@@ -288,3 +288,19 @@ async def test_consecutive_failed_steps_end_the_worker_non_zero(redis_config, cl
     for i in range(3):
         [event] = await finished(client, keys, f"r{i}")
         assert event.kind is EventKind.ERROR and "kaboom" in event.error
+
+
+async def test_an_engine_that_stalled_drops_the_requests_another_one_resumed(redis_config, client) -> None:
+    keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
+    await submit(client, keys, "r1", max_tokens=10_000)
+    async with running(make_worker(redis_config, engine)):
+        await until(lambda: "r1" in engine.requests)
+        engine.step_s = 1.0  # a step hangs past the heartbeat TTL, and meanwhile another engine resumes r1
+        await asyncio.sleep(0.1)
+        await client.set(keys.owner("r1"), "w1/other")
+        await until(lambda: "r1" not in engine.requests, timeout_s=3)
+        engine.step_s = 0.01
+        wire, _ = await replies(client, keys, "r1")
+        await asyncio.sleep(0.3)
+        assert (await replies(client, keys, "r1"))[0] == wire  # nothing more from the stalled engine
+    assert (await client.xpending(keys.requests(MODEL_NAME), GROUP))["pending"] == 1  # the resumer acks it
