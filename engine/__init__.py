@@ -2,10 +2,10 @@
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import BeamSearchOutput, BeamSequence, CompletionOutput, RequestOutput
+from engine.outputs import BeamSearchOutput, BeamSequence, CompletionOutput, RequestOutput, ResumeState
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.stats import EngineStats
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineStats",
+           "EngineStats", "ResumeState",
            "BeamSearchParams", "BeamSearchOutput", "BeamSequence"]

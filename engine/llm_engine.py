@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.distributed.executor import create_executor
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -40,16 +40,28 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops.row_argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
+        # Resumed requests with choices finished on arrival (their stop condition already met): reported next step.
+        self._resumed_ends: dict[str, tuple[SequenceGroup, list[Sequence]]] = {}
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    resume: ResumeState | None = None) -> None:
+        """Queue a request. ``resume``: the request ran elsewhere and its engine died; it continues
+        from the tokens already delivered (recomputed as context) exactly as an undisturbed run would,
+        and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over."""
         self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(list(prompt_token_ids), len(prompt_token_ids))
-        group = SequenceGroup(request_id, [seq], params, time.time() if arrival_time is None else arrival_time,
+        if resume is not None:
+            self._validate_resume(prompt_token_ids, params, resume)
+        group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
+                              time.time() if arrival_time is None else arrival_time,
                               cache_salt=cache_salt.encode() if cache_salt else None)
         self.scheduler.add_group(group)
         self._groups[request_id] = group
+        if resume is not None:
+            ended = [seq for seq in group.seqs if seq.is_finished and resume.finish_reasons[seq.index] is None]
+            if ended or group.is_finished:
+                self._resumed_ends[request_id] = (group, ended)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._groups:
@@ -58,25 +70,48 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty (it needs at least one token)")
-        vocab_size = self.config.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got range [{min(prompt)}, {max(prompt)}]")
+        self._check_token_ids("prompt", prompt)
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ValueError(f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
                              f"the prompt has {len(prompt)} tokens and {params.max_tokens or 1} more were requested "
                              f"(max_tokens), {wanted} in total")
 
+    def _validate_resume(self, prompt: list[int], params: SamplingParams, resume: ResumeState) -> None:
+        if not isinstance(resume, ResumeState):
+            raise ValueError(f"resume must be a ResumeState, got {type(resume).__name__}")
+        if params.use_beam_search:
+            raise ValueError("a beam search cannot be resumed (it publishes only once it is over): "
+                             "run it again from the start")
+        resume.check(params.n)
+        self._check_token_ids("resumed output", [t for out in resume.output_token_ids for t in out])
+        longest = max(len(out) for out in resume.output_token_ids)
+        if params.max_tokens is not None and longest > params.max_tokens:
+            raise ValueError(f"a resumed choice has {longest} output tokens, more than max_tokens={params.max_tokens}")
+        # At the limit a choice finishes ("length") on arrival: nothing more is needed.
+        if len(prompt) + longest > self.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) and a resumed choice ({longest} tokens) exceed "
+                             f"this model's maximum context length (max_model_len) of {self.max_model_len} tokens")
+
+    def _check_token_ids(self, what: str, ids: list[int]) -> None:
+        vocab_size = self.config.model_config.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(f"{what} token ids must be in [0, {vocab_size}), got range [{min(ids)}, {max(ids)}]")
+
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         known = [i for i in ids if i in self._groups]
         if known:
-            self._aborted += self.scheduler.abort(known)
+            # A resumed request that finished on arrival is not the scheduler's: it still reports its own finish.
+            aborted = self.scheduler.abort(known)
+            self._aborted += aborted
+            for group in aborted:
+                self._resumed_ends.pop(group.request_id, None)
             for request_id in known:
                 del self._groups[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or bool(self._aborted)
+        return bool(self._groups) or bool(self._aborted) or bool(self._resumed_ends)
 
     def has_capacity(self) -> bool:
         s = self.scheduler
@@ -88,6 +123,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._final_output(g, SequenceStatus.FINISHED_ABORTED) for g in self._aborted]
         self._aborted.clear()
+        outputs += self._resumed_end_outputs()
         out = self.scheduler.schedule()
         for group in out.failed:
             outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR, group.error))
@@ -96,9 +132,21 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out)
             return outputs + self._process_samples(out, logits)
-        except Exception as exc:  # a failing batch fails its requests, never the engine
-            logger.exception("step failed; failing its %d scheduled requests", len(out.scheduled))
-            return outputs + self._fail_scheduled(out, f"internal error while running the batch: {exc}")
+        except Exception as exc:  # a failing batch never fails the engine
+            return outputs + self._recover(out, exc)
+
+    def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
+        bad request never fails its batch-mates. A request that failed alone is failed."""
+        self.scheduler.recover_failed_step(out)
+        groups = list({id(s.group): s.group for s in out.scheduled}.values())
+        if len(groups) > 1:
+            logger.warning("step failed (%s: %s); retrying its %d requests one at a time",
+                           type(exc).__name__, exc, len(groups))
+            self.scheduler.isolate(groups)
+            return []
+        logger.exception("step failed; failing its request")
+        return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
     def _process_samples(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
         now = time.time()
@@ -134,6 +182,13 @@ class LLMEngine:
         completions = [self._delta(group, seq) for seq in group.seqs if seq.num_output_tokens > seq.num_emitted_tokens]
         return self._request_output(group, completions, None)
 
+    def _resumed_end_outputs(self) -> list[RequestOutput]:
+        """The finish reasons (no tokens) of resumed choices that had already ended."""
+        outputs = [self._request_output(group, [self._delta(group, seq) for seq in ended], None)
+                   for group, ended in self._resumed_ends.values()]
+        self._resumed_ends.clear()
+        return outputs
+
     def _final_output(self, group: SequenceGroup, status: SequenceStatus, error: str | None = None) -> RequestOutput:
         self._groups.pop(group.request_id, None)
         completions = [self._delta(group, seq) for seq in group.seqs if seq.status is status]
@@ -162,3 +217,15 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
+
+
+def _new_seqs(prompt: list[int], resume: ResumeState | None) -> list[Sequence]:
+    """A new request's one sequence (it forks its n after the prompt), or a resumed request's n
+    choices holding their delivered tokens (already emitted), as after a recompute preemption.
+    The delivered tokens' logprobs are unknown: empty placeholders keep ``logprobs`` indexed by
+    output position (they are never emitted)."""
+    if resume is None:
+        return [Sequence(prompt, len(prompt))]
+    return [Sequence(prompt + list(out), len(prompt), index, SequenceStatus(reason or "waiting"),
+                     logprobs=[[] for _ in out], num_emitted_tokens=len(out))
+            for index, (out, reason) in enumerate(zip(resume.output_token_ids, resume.finish_reasons))]

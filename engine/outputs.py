@@ -44,6 +44,34 @@ class RequestOutput:
     prompt: str | None = None
 
 
+# The finish reasons a choice can end with on its own (abort and error end the whole request).
+_CHOICE_FINISH_REASONS = (None, "stop", "length")
+
+
+@dataclass(slots=True)
+class ResumeState:
+    """What a request already delivered, for ``LLMEngine.add_request(resume=...)``: another engine
+    ran it and died. Per choice index: its output tokens so far and its finish reason (None: it
+    continues). The logprobs of these tokens are not known: a resumed choice reports logprobs for
+    its new tokens only, and its cumulative_logprob sums those alone (it starts from 0)."""
+
+    output_token_ids: list[list[int]]
+    finish_reasons: list[str | None]
+
+    def __post_init__(self) -> None:
+        if len(self.output_token_ids) != len(self.finish_reasons):
+            raise ValueError(f"resume has {len(self.output_token_ids)} token lists and "
+                             f"{len(self.finish_reasons)} finish reasons (one of each per choice)")
+        bad = [r for r in self.finish_reasons if r not in _CHOICE_FINISH_REASONS]
+        if bad:
+            raise ValueError(f"resume finish reasons must be None, 'stop' or 'length', got {bad[0]!r}")
+
+    def check(self, n: int) -> None:
+        """One entry per choice of a request of ``n``."""
+        if len(self.output_token_ids) != n:
+            raise ValueError(f"resume has {len(self.output_token_ids)} choices, the request has n={n}")
+
+
 @dataclass(slots=True)
 class ResumeState:
     """What a request already delivered, for ``LLMEngine.add_request(resume=...)``: another engine ran

@@ -18,11 +18,17 @@ not immediately re-created.
 Recompute of a group with several (diverged) sequences: every sequence goes
 back to WAITING and re-prefills its own full token list; the group is
 admitted all-or-nothing and prefix caching dedupes the shared prompt blocks.
-A beam search (``engine/beam_search.py``) is one group of its live candidates,
-scheduled and preempted as one like the n samples; it advances once every
-candidate has a next-token distribution.
+A resumed request (another engine ran it and died) enters the same way: its
+choices, each holding the tokens already delivered, re-prefill like a
+recomputed group's. A beam search (``engine/beam_search.py``) is one group
+of its live candidates, scheduled and preempted as one like the n samples; it
+advances once every candidate has a next-token distribution.
 
-After the forward pass, ``update_from_output`` is the one post-step.
+After the forward pass, ``update_from_output`` is the one post-step. When a
+step fails, ``recover_failed_step`` redoes what it may not have done, and
+``isolate`` turns a failed batch's groups into suspects: preempted by
+recompute, each then runs alone (oldest first) until it has caught up, so
+one poisonous request fails alone, never its batch-mates.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ logger = logging.getLogger(__name__)
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
+_NEW_STATUSES = (WAITING, SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
 
 
 def _pending_forks(group: SequenceGroup) -> int:
@@ -75,6 +82,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
         self.swapped: deque[SequenceGroup] = deque()  # oldest first
+        self.suspects: deque[SequenceGroup] = deque()  # of a failed batch, to run alone, oldest first
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished group
         self._num_running_seqs = 0
         self._num_pending_forks = 0  # seats running groups keep for their n samples
@@ -86,21 +94,37 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
+        """Queue a new request: one WAITING sequence, or a resumed one (``LLMEngine.add_request(resume=)``):
+        its n choices with their output tokens, each WAITING or finished, as after a recompute preemption.
+        A resumed choice whose tokens already meet its stop condition finishes here; a group left with
+        nothing to run is not queued."""
         if group.request_id in self._groups:
             raise ValueError(f"duplicate request id {group.request_id!r}")
-        if len(group.seqs) != 1 or group.seqs[0].status is not WAITING:
-            raise ValueError("a new group must hold exactly one WAITING sequence")
-        if not group.seqs[0].token_ids:
-            raise ValueError("the prompt must contain at least one token")
+        self._check_new(group)
         if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
             raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
                              f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
         if group.params.use_beam_search:
             group.beam = beam_search.BeamState.for_request(
                 group.params, group.seqs[0].num_prompt_tokens, self.eos_token_ids, self.config.max_model_len)
-        self._groups[group.request_id] = group
-        self.waiting.append(group)
-        self.num_prompt_tokens += len(group.seqs[0].token_ids)
+        for seq in group.seqs:
+            if seq.status is WAITING and seq.num_output_tokens:
+                self._check_stop(group, seq, seq.token_ids[-1])
+        self.num_prompt_tokens += group.seqs[0].num_prompt_tokens
+        if not group.is_finished:
+            self._groups[group.request_id] = group
+            self.waiting.append(group)
+
+    @staticmethod
+    def _check_new(group: SequenceGroup) -> None:
+        seqs, n = group.seqs, group.params.n
+        if len(seqs) not in (1, n) or any(s.status not in _NEW_STATUSES for s in seqs):
+            raise ValueError("a new group must hold one WAITING sequence, or (resumed) its n choices, "
+                             "each WAITING or finished")
+        if group.params.use_beam_search and (len(seqs) != 1 or seqs[0].num_output_tokens):
+            raise ValueError("a beam search cannot be resumed (it publishes only once it is over)")
+        if not seqs[0].num_prompt_tokens:
+            raise ValueError("the prompt must contain at least one token")
 
     def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
         """Abort groups in any state; their blocks return to the pools."""
@@ -130,6 +154,8 @@ class Scheduler:
 
     def _remove(self, group: SequenceGroup) -> None:
         self._groups.pop(group.request_id, None)
+        if self.suspects and group in self.suspects:
+            self.suspects.remove(group)
         if self.running.pop(group.request_id, None) is not None:
             self._num_pending_forks -= _pending_forks(group)
         else:
@@ -140,6 +166,11 @@ class Scheduler:
     # -- the step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        while self.suspects and self._caught_up(self.suspects[0]):
+            self.suspects.popleft()  # its solo steps succeeded: back to normal batching
+        if self.suspects:
+            self._schedule_suspect(out)
+            return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
@@ -279,7 +310,6 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bs = self.config.block_size
         while self.waiting and budget > 0:
             group = self.waiting[0]
             error = self._admission_error(group)
@@ -287,26 +317,103 @@ class Scheduler:
                 self._fail(self.waiting.popleft(), error, out)
                 continue
             seqs = group.seqs_with(WAITING)
-            seats = self._num_running_seqs + self._num_pending_forks + self._seq_demand(group)
-            if seats > self.config.max_num_seqs:
+            if not self._has_seats(group):
                 break
-            admissions, plan, left = [], [], budget
-            for seq in seqs:
-                hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
-                start = len(hits) * bs
-                num_new = self._chunk(seq.num_tokens - start, left)
-                admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
-                if num_new:
-                    plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
-                left -= num_new
-            if not plan or plan[0].seq is not seqs[0] or not self.kv.can_admit(admissions):
-                break  # the first sequence must make progress
+            admissions, plan, left = self._admission_plan(group, seqs, budget)
+            if not self._admissible(seqs, admissions, plan):
+                break
             self.waiting.popleft()
             self._admit(group, seqs, admissions)
             self._commit(group, plan, out)
             budget = left
 
+    def _schedule_suspect(self, out: SchedulerOutput) -> None:
+        """The oldest suspect's step, alone: the other running groups (latest first) make room if needed."""
+        group, budget = self.suspects[0], self.config.max_num_batched_tokens
+        if group.request_id in self.running:  # its re-prefill goes on in chunks
+            plan, _ = self._plan(group, group.seqs_with(RUNNING), budget)
+            need = self.kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
+            while need > self.kv.num_free_blocks and self._preempt_other(group, out):
+                pass
+            self._commit(group, plan, out)
+            return
+        error = self._admission_error(group)
+        if error is not None:
+            self.waiting.remove(group)
+            self.suspects.popleft()
+            self._fail(group, error, out)
+            return
+        seqs = group.seqs_with(WAITING)
+        while True:
+            admissions, plan, _ = self._admission_plan(group, seqs, budget)
+            if self._has_seats(group) and self._admissible(seqs, admissions, plan):
+                break
+            if not self._preempt_other(group, out):
+                return  # unreachable: alone, a group that passes _admission_error fits
+        self.waiting.remove(group)
+        self._admit(group, seqs, admissions)
+        self._commit(group, plan, out)
+
+    def _preempt_other(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Preempt the latest-arrived running group other than ``group``; False if there is none."""
+        victim = next((g for g in reversed(self.running.values()) if g is not group), None)
+        if victim is not None:
+            self._preempt(victim, out)
+        return victim is not None
+
+    def _caught_up(self, group: SequenceGroup) -> bool:
+        """Running with every known token's K/V but the sampled last one: its re-prefill is over."""
+        return group.request_id in self.running and all(
+            seq.num_computed_tokens >= seq.num_tokens - 1 for seq in group.seqs_with(RUNNING))
+
+    # -- a failed step -------------------------------------------------------
+    def recover_failed_step(self, out: SchedulerOutput) -> None:
+        """The runner raised on ``out``, so its block moves may not have happened: the groups it
+        swapped out are recomputed instead (their CPU copy may be garbage)."""
+        for group in out.preempted:  # latest first: appendleft keeps arrival order
+            seqs = group.seqs_with(SWAPPED)
+            if not seqs:
+                continue
+            for seq in seqs:
+                self.kv.free(seq.seq_id)
+                seq.reset_for_recompute()
+            self.swapped.remove(group)
+            self.waiting.appendleft(group)
+
+    def isolate(self, groups: list[SequenceGroup]) -> None:
+        """A batch of these groups failed and any of them may be the cause: each is preempted by
+        recompute and becomes a suspect, run alone before normal batching resumes; one whose solo
+        step fails too is the caller's to fail."""
+        members = set(groups)
+        ordered = [g for g in self.running.values() if g in members]  # arrival order
+        out = SchedulerOutput()  # recompute moves no blocks: nothing for the runner
+        for group in reversed(ordered):  # latest first, as _preempt's appendleft expects
+            self._preempt(group, out, recompute=True)
+        self.suspects.extend(ordered)
+
     # -- helpers -------------------------------------------------------------
+    def _has_seats(self, group: SequenceGroup) -> bool:
+        return self._num_running_seqs + self._num_pending_forks + self._seq_demand(group) <= self.config.max_num_seqs
+
+    def _admission_plan(self, group: SequenceGroup, seqs: list[Sequence], budget: int
+                        ) -> tuple[list[Admission], list[ScheduledSeq], int]:
+        """Each waiting sequence's prefix-cache hits and share of ``budget``; the budget left."""
+        bs = self.config.block_size
+        admissions, plan, left = [], [], budget
+        for seq in seqs:
+            hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
+            start = len(hits) * bs
+            num_new = self._chunk(seq.num_tokens - start, left)
+            admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
+            if num_new:
+                plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
+            left -= num_new
+        return admissions, plan, left
+
+    def _admissible(self, seqs: list[Sequence], admissions: list[Admission], plan: list[ScheduledSeq]) -> bool:
+        # The first sequence must make progress.
+        return bool(plan) and plan[0].seq is seqs[0] and self.kv.can_admit(admissions)
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a ``remaining``-token prefill that fit this step (0: none)."""
         if remaining <= budget:
@@ -353,13 +460,14 @@ class Scheduler:
             parent = plan[-1]
             parent.forks = tuple(parent.seq.fork(index) for index in range(len(group.seqs), group.params.n))
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, recompute: bool = False) -> None:
         del self.running[group.request_id]
         seqs = group.seqs_with(RUNNING)
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
-        if self.config.preemption_mode == "swap" and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
+        swap = not recompute and self.config.preemption_mode == "swap"
+        if swap and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
             out.blocks_to_swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)
@@ -382,8 +490,8 @@ class Scheduler:
         for seq, a in zip(seqs, admissions):
             self.kv.admit(seq.seq_id, a.hits, group.cache_salt, seq.num_tokens, a.size)
             seq.num_computed_tokens = len(a.hits) * self.config.block_size
-        if group.metrics.num_preemptions == 0:
-            group.num_cached_tokens = seqs[0].num_computed_tokens
+        if group.metrics.num_preemptions == 0:  # a resumed request's hits may cover output tokens: not counted
+            group.num_cached_tokens = min(seqs[0].num_computed_tokens, seqs[0].num_prompt_tokens)
         self._set_running(group, seqs)
 
     def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
