@@ -73,15 +73,6 @@ class ResumeState:
 
 
 @dataclass(slots=True)
-class ResumeState:
-    """What a request already delivered, for ``LLMEngine.add_request(resume=...)``: another engine ran
-    it and died. Per choice index: its output tokens so far and its finish reason (None: it continues)."""
-
-    output_token_ids: list[list[int]]
-    finish_reasons: list[str | None]
-
-
-@dataclass(slots=True)
 class BeamSequence:
     """One hypothesis of ``LLM.beam_search``: its generated tokens (eos included when it stopped on one)."""
 

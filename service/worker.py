@@ -285,8 +285,8 @@ class Worker:
                                  error=f"this engine serves {self.model_name!r}, not {msg.model!r}")
         try:
             params = SamplingParams(**msg.params)
-            resume = {"resume": state} if (state := _resume_state(run, params)) else {}
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt, **resume)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt,
+                                    resume=_resume_state(run, params))
         except (ValueError, TypeError) as exc:
             return self._counted(run, EventKind.ERROR, finished=True, error=str(exc), status=400)
         except Exception as exc:  # a bad request must not take the worker down
@@ -332,18 +332,23 @@ class Worker:
         try:
             outputs = await loop.run_in_executor(self._executor, self.engine.step)
         except Exception as exc:
-            return self._step_failed(exc)
-        self._failed_steps = 0
+            log.exception("engine step failed; failing its requests")
+            self._count_step(failed=True)
+            return self._fail_all(f"engine step failed: {exc}", status=500)
+        # The engine fails a bad request alone, not the step: a step that failed requests and produced no
+        # token failed too (a broken device fails every request it runs, one after the other).
+        if any(out.error for out in outputs):
+            self._count_step(failed=not any(c.token_ids for out in outputs for c in out.outputs))
+        elif outputs:
+            self._failed_steps = 0
         return [item for out in outputs if (item := self._output_event(out)) is not None]
 
-    def _step_failed(self, exc: Exception) -> Published:
-        self._failed_steps += 1
-        log.exception("engine step failed (%d in a row); failing its requests", self._failed_steps)
+    def _count_step(self, failed: bool) -> None:
+        self._failed_steps = self._failed_steps + 1 if failed else 0
         if self._failed_steps >= self.config.max_failed_steps:
             log.error("%d engine steps failed in a row: exiting for the supervisor to restart the engine",
                       self._failed_steps)
             self.exit_code = EXIT_FAILED_STEPS
-        return self._fail_all(f"engine step failed: {exc}", status=500)
 
     def _output_event(self, out: RequestOutput) -> tuple[RequestHandle, ReplyEvent] | None:
         run = self._owned.get(out.request_id)

@@ -10,6 +10,7 @@ from tests.service.conftest import engine_stats
 
 BOOM_ON_ADD = 13  # a prompt starting with this token makes add_request blow up
 BOOM_ON_STEP = 14  # ... and with this one, the next step
+FAIL_ON_STEP = 15  # ... and with this one, the next step fails the request (as LLMEngine fails a bad one alone)
 
 
 class FakeEngine:
@@ -24,6 +25,7 @@ class FakeEngine:
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
         self.resumed: dict[str, ResumeState] = {}
+        self.failing: set[str] = set()
         self.capacity = True
         self._boom = False
 
@@ -34,6 +36,8 @@ class FakeEngine:
             raise RuntimeError("boom")
         self._boom |= prompt_token_ids[0] == BOOM_ON_STEP
         self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
+        if prompt_token_ids[0] == FAIL_ON_STEP:
+            self.failing.add(request_id)
         if resume is not None:
             self.resumed[request_id] = resume
         self.added.append(request_id)
@@ -47,7 +51,10 @@ class FakeEngine:
         if self._boom:
             self._boom = False
             raise RuntimeError("kaboom")
-        outputs = []
+        outputs = [RequestOutput(rid, [], [], finished=True, error="device error") for rid in self.failing]
+        for request_id in self.failing:
+            self.requests.pop(request_id, None)
+        self.failing.clear()
         for request_id, state in list(self.requests.items()):
             state[1] += 1
             done = state[1] == state[0]

@@ -21,7 +21,7 @@ from service.redis_keys import Keys
 from service.redis_worker import RedisWorkerBroker
 from service.worker import EXIT_FAILED_STEPS, Worker
 from tests.service.conftest import MODEL_NAME, until
-from tests.service.fake_engine import BOOM_ON_STEP, FakeEngine
+from tests.service.fake_engine import BOOM_ON_STEP, FAIL_ON_STEP, FakeEngine
 
 GATEWAY = "gw1"
 
@@ -206,6 +206,23 @@ async def test_a_dead_engines_request_resumes_from_its_transcript(redis_config, 
     assert await client.get(keys.owner("r1")) == f"w0/{engine_incarnation(events)}".encode()
 
 
+async def test_a_resumed_greedy_request_continues_identically_on_the_real_engine(redis_config, client,
+                                                                                 demo_engine) -> None:
+    keys = Keys(redis_config.prefix)
+    await submit(client, keys, "whole", max_tokens=12, prompt=[5, 6, 7])
+    async with running(make_worker(redis_config, demo_engine)):
+        whole = tokens(await asyncio.wait_for(finished(client, keys, "whole"), 10))
+    await submit(client, keys, "r1", max_tokens=12, prompt=[5, 6, 7])  # the same, 5 tokens in when its engine died
+    await dead_consumer_takes(client, keys, "dead/inc0")
+    delivered = [ReplyEvent(EventKind.OUTPUT, "dead", "inc0", [ChoiceDelta(0, [t])], index=i)
+                 for i, t in enumerate(whole[:5])]
+    await client.xadd(keys.out(GATEWAY), {"b": encode_batch(ReplyBatch("dead", "inc0", [("r1", e) for e in delivered]))})
+    await asyncio.sleep(0.3)
+    async with running(make_worker(redis_config, demo_engine, engine_id="w1")):
+        events = await asyncio.wait_for(finished(client, keys, "r1"), 10)
+    assert tokens(events) == whole and [e.index for e in events] == list(range(len(events)))
+
+
 def engine_incarnation(events: list[ReplyEvent]) -> str:
     return events[-1].incarnation
 
@@ -279,15 +296,16 @@ async def test_requests_of_a_gone_gateway_are_aborted_unless_adopted(redis_confi
         assert sorted(engine.requests) == ["adopted", "kept"]
 
 
-async def test_consecutive_failed_steps_end_the_worker_non_zero(redis_config, client) -> None:
+@pytest.mark.parametrize("failure", [BOOM_ON_STEP, FAIL_ON_STEP], ids=["step raises", "step fails its request"])
+async def test_consecutive_failed_steps_end_the_worker_non_zero(redis_config, client, failure: int) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine()
     worker = make_worker(redis_config, engine, max_pull=1, max_failed_steps=3)
     for i in range(4):
-        await submit(client, keys, f"r{i}", max_tokens=2, prompt=[BOOM_ON_STEP])
+        await submit(client, keys, f"r{i}", max_tokens=2, prompt=[failure])
     assert await asyncio.wait_for(worker.run(), 5) == EXIT_FAILED_STEPS
     for i in range(3):
         [event] = await finished(client, keys, f"r{i}")
-        assert event.kind is EventKind.ERROR and "kaboom" in event.error
+        assert event.kind is EventKind.ERROR and event.error in ("engine step failed: kaboom", "device error")
 
 
 async def test_an_engine_that_stalled_drops_the_requests_another_one_resumed(redis_config, client) -> None:
