@@ -15,10 +15,12 @@ tokens and is replaced by a new one when it ends. Reported per rate, over the me
 - served tok/s and the p50/p99 inter-token delay the clients saw; the highest rate served with a p99
   under two step times is the result
 
-The gateway component is pluggable (``--gateway``). ``reader`` is a minimal v5 reader, labelled as such in
-the output: one blocking XREAD over its out stream, ``decode_batch``, dedup by index, routing to
-per-request asyncio queues, SSE formatting to lean HTTP/1.0 clients; submission is the StreamRecord SET NX +
-XADD pipeline; it beats as a gateway. It stands in for the pagedserve gateway until that reads v5 batches.
+The gateway component is pluggable (``--gateway``, the ``GATEWAYS`` table), its CPU time read from /proc:
+``pagedserve`` runs ``python -m service.cli gateway`` processes (the v5 gateway: POST /v1/completions, SSE);
+``reader`` is a minimal v5 reader, labelled as such in the output: one blocking XREAD over its out stream,
+``decode_batch``, dedup by index, routing to per-request asyncio queues, SSE formatting to lean HTTP/1.0
+clients; submission is the StreamRecord SET NX + XADD pipeline; it beats as a gateway. The reader shows what
+the wire itself costs a gateway.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class SyntheticEngine:
             state[0] -= 1
             state[1] += 1
             done = state[0] == 0
-            outputs.append(RequestOutput(request_id, [], [CompletionOutput(0, [state[1] % 1000],
+            outputs.append(RequestOutput(request_id, [], [CompletionOutput(0, [65 + state[1] % 26],  # letters
                                                                            finish_reason="length" if done else None)],
                                          finished=done))
             if done:
@@ -208,7 +210,8 @@ class MinimalReader:
             self.subs.pop(request_id, None)
 
 
-async def run_reader(args: argparse.Namespace) -> dict:
+async def run_reader(args: argparse.Namespace) -> None:
+    """Serves until the bench stops it (its CPU time is read from /proc, as a pagedserve gateway's)."""
     from aiohttp import web
     reader = MinimalReader(args.redis_url, args.prefix, args.gateway_id)
     app = web.Application()
@@ -216,16 +219,40 @@ async def run_reader(args: argparse.Namespace) -> dict:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port).start()
-    tasks = [asyncio.create_task(reader.read()), asyncio.create_task(reader.beat())]
-    (cpu0,), (cpu1,) = await window(args, lambda: (time.process_time(),))
-    for task in tasks:  # a crashed reader would make the figures meaningless
-        if task.done():
-            task.result()
-    return {"cpu_s": cpu1 - cpu0}
+    await asyncio.gather(reader.read(), reader.beat())
 
 
-GATEWAYS = {"reader": ("minimal v5 reader (XREAD + decode_batch + route + SSE), not the pagedserve gateway",
-                       "reader")}
+@dataclass(frozen=True, slots=True)
+class GatewayKind:
+    label: str
+    argv: Callable[[argparse.Namespace, int, int], list[str]]  # (args, index, port) -> the process's argv
+    request: Callable[[int], bytes]  # max_tokens -> one streaming request, HTTP/1.0
+
+
+def _reader_argv(args: argparse.Namespace, index: int, port: int) -> list[str]:
+    return ["-m", "loadtest.bench_broker", "--role", "reader", "--redis-url", args.redis_url, "--prefix",
+            args.prefix, "--port", str(port), "--gateway-id", f"gw{index}"]
+
+
+def _pagedserve_argv(args: argparse.Namespace, index: int, port: int) -> list[str]:
+    return ["-m", "service.cli", "gateway", "--redis-url", args.redis_url, "--redis-prefix", args.prefix,
+            "--port", str(port), "--served-model-name", MODEL, "--max-pending-requests", str(4 * args.streams),
+            "--log-level", "WARNING"]
+
+
+def _completion_request(max_tokens: int) -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    return (f"POST /v1/completions HTTP/1.0\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+GATEWAYS = {
+    "reader": GatewayKind("minimal v5 reader (XREAD + decode_batch + route + SSE), not the pagedserve gateway",
+                          _reader_argv, lambda n: f"GET /stream?max_tokens={n} HTTP/1.0\r\nHost: bench\r\n\r\n".encode()),
+    "pagedserve": GatewayKind("pagedserve gateway processes (python -m service.cli gateway, demo tokenizer)",
+                              _pagedserve_argv, _completion_request),
+}
 
 
 # ---- lean SSE clients ----
@@ -245,8 +272,11 @@ async def one_stream(port: int, max_tokens: int, args: argparse.Namespace, stats
         except ConnectionRefusedError:  # the gateway is still starting
             await asyncio.sleep(0.2)
             continue
-        writer.write(f"GET /stream?max_tokens={max_tokens} HTTP/1.0\r\nHost: bench\r\n\r\n".encode())
+        writer.write(GATEWAYS[args.gateway].request(max_tokens))
         try:
+            if b" 200 " not in await reader.readline():  # e.g. 503 before the engine's first beat
+                await asyncio.sleep(0.2)
+                continue
             await read_events(reader, args, stats)
         except ConnectionError:  # the gateway process ended with the window
             return
@@ -278,6 +308,13 @@ async def run_clients(args: argparse.Namespace) -> dict:
 ROLES = {"worker": run_worker, "reader": run_reader, "clients": run_clients}
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's user + system CPU time (Linux /proc), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # from field 3 on: utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def child(args: argparse.Namespace) -> None:
     result = await ROLES[args.role](args)
     with open(args.out, "w") as f:
@@ -294,7 +331,10 @@ def child_main(args: argparse.Namespace) -> None:
 # ---- the orchestrator ----
 
 def spawn(role: str, out: str, common: list[str], *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "loadtest.bench_broker", "--role", role, "--out", out, *common, *extra]
+    return start([sys.executable, "-m", "loadtest.bench_broker", "--role", role, "--out", out, *common, *extra])
+
+
+def start(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
 
 
@@ -310,28 +350,38 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict:
     step_ms = args.streams * 1000 / rate
     with LocalStack() as stack, tempfile.TemporaryDirectory() as tmp:
         t0 = time.time() + _STARTUP_S + args.warmup_s
-        common = ["--redis-url", stack.redis_url, "--prefix", f"b{uuid.uuid4().hex[:6]}", "--t0", str(t0),
-                  "--t1", str(t0 + args.measure_s), "--streams", str(args.streams),
+        args.redis_url, args.prefix = stack.redis_url, f"b{uuid.uuid4().hex[:6]}"
+        common = ["--redis-url", args.redis_url, "--prefix", args.prefix, "--t0", str(t0),
+                  "--t1", str(t0 + args.measure_s), "--streams", str(args.streams), "--gateway", args.gateway,
                   "--tokens-per-request", str(args.tokens_per_request), "--step-ms", str(step_ms)]
         ports = [free_port() for _ in range(args.gateways)]
         shares = [args.streams // args.gateways + (i < args.streams % args.gateways) for i in range(args.gateways)]
+        gateways = [start([sys.executable, *GATEWAYS[args.gateway].argv(args, i, port)]) for i, port in enumerate(ports)]
         children = {"worker": spawn("worker", f"{tmp}/worker.json", common)}
-        for i, port in enumerate(ports):
-            children[f"gateway{i}"] = spawn(GATEWAYS[args.gateway][1], f"{tmp}/gateway{i}.json", common,
-                                            "--port", str(port), "--gateway-id", f"gw{i}")
         for i, (port, share) in enumerate(zip(ports, shares)):
             children[f"clients{i}"] = spawn("clients", f"{tmp}/clients{i}.json", common,  # the last --streams wins
                                             "--streams", str(share), "--port", str(port))
-        redis_cpu_s = asyncio.run(redis_window(stack.redis_url, t0, t0 + args.measure_s))
-        results = collect(children, tmp, t0 + args.measure_s)
-    return summarize(rate, step_ms, redis_cpu_s, results, args)
+        try:
+            redis_cpu_s, gateway_cpu_s = asyncio.run(measure(stack.redis_url, gateways, t0, t0 + args.measure_s))
+            results = collect(children, tmp, t0 + args.measure_s)
+        finally:
+            for process in gateways:
+                process.kill()
+                process.wait()
+    return summarize(rate, step_ms, redis_cpu_s, gateway_cpu_s, results, args)
 
 
-async def redis_window(url: str, t0: float, t1: float) -> float:
+async def measure(url: str, gateways: list[subprocess.Popen], t0: float, t1: float) -> tuple[float, float]:
+    """Redis's and the gateway processes' CPU seconds in the window."""
+    def sample() -> float:
+        if any(p.poll() is not None for p in gateways):
+            raise RuntimeError("a gateway process ended early")
+        return sum(process_cpu_s(p.pid) for p in gateways)
+
     await asyncio.sleep(max(0.0, t0 - time.time()))
-    first = await redis_cpu(url)
+    redis0, gateways0 = await redis_cpu(url), sample()
     await asyncio.sleep(max(0.0, t1 - time.time()))
-    return await redis_cpu(url) - first
+    return await redis_cpu(url) - redis0, sample() - gateways0
 
 
 def collect(children: dict[str, subprocess.Popen], tmp: str, t1: float) -> dict[str, dict]:
@@ -347,13 +397,12 @@ def collect(children: dict[str, subprocess.Popen], tmp: str, t1: float) -> dict[
     return results
 
 
-def summarize(rate: float, step_ms: float, redis_cpu_s: float, results: dict[str, dict],
+def summarize(rate: float, step_ms: float, redis_cpu_s: float, gateway_cpu: float, results: dict[str, dict],
               args: argparse.Namespace) -> dict:
     worker = results["worker"]
     clients = [r for name, r in results.items() if name.startswith("clients")]
     received = sum(c["tokens"] for c in clients)
     gaps = sorted(g for c in clients for g in c["gaps_ms"])
-    gateway_cpu = sum(r["cpu_s"] for name, r in results.items() if name.startswith("gateway"))
     per_token = 1e6 / max(received, 1)
     return {
         "offered_tok_s": rate, "step_ms": round(step_ms, 3), "served_tok_s": round(received / args.measure_s),
@@ -378,7 +427,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         points.append(run_rate(args, rate))
         print("  " + json.dumps(points[-1]), flush=True)
     good = [p for p in points if p["p99_inter_token_ms"] is not None and p["p99_inter_token_ms"] < 2 * p["step_ms"]]
-    report = {"gateway": GATEWAYS[args.gateway][0], "gateways": args.gateways, "streams": args.streams,
+    report = {"gateway": GATEWAYS[args.gateway].label, "gateways": args.gateways, "streams": args.streams,
               "tokens_per_request": args.tokens_per_request, "measure_s": args.measure_s, "cpus": os.cpu_count(),
               "points": points, "max_served_tok_s_p99_under_2_steps": max((p["served_tok_s"] for p in good), default=0)}
     print(json.dumps({k: v for k, v in report.items() if k != "points"}), flush=True)
