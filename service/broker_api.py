@@ -8,6 +8,8 @@ gateway sides share ``ReplyRouter``, the bookkeeping that does not depend on tra
 - Each request's replies reach its gateway in the order the worker published them.
 - Every worker sees every abort on its next poll, also for requests still queued.
 - A request's queue entry is acked only when the request has finished.
+- A request runs on one engine at a time: a duplicated queue entry is dropped, and a dead
+  engine's unfinished requests are resumed by a live one (Redis only: one process never dies alone).
 - Gateways know the live engines from their heartbeats, and fail a request whose
   engine stopped beating (or every queued request once no engine is left).
 """
@@ -17,7 +19,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.messages import EventKind, Heartbeat, ReplyEvent, RequestMsg, SchemaError, decode
+from service.messages import EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, decode
+from service.transcript import Transcript
 
 
 class BrokerUnavailable(Exception):
@@ -38,6 +41,8 @@ class Pulled:
     handle: RequestHandle
     msg: RequestMsg | None  # None when the payload could not be read
     error: str | None = None
+    resume: Transcript | None = None  # taken over from a dead engine: what it delivered
+    deliveries: int = 0  # how many engines had the request before this one
 
 
 def read_request(entry_id: bytes, payload: bytes) -> Pulled:
@@ -65,14 +70,23 @@ class GatewayBroker(Protocol):
 
 
 class WorkerBroker(Protocol):
-    """An engine worker's side: pull requests, read aborts, publish outputs, beat. A transport
-    failure surfaces as ``BrokerUnavailable`` from any of these calls."""
+    """An engine worker's side: pull requests (a duplicated entry is dropped, never returned), read
+    aborts, publish replies with checkpoints, take over dead engines' requests, see the live gateways,
+    beat. A transport failure surfaces as ``BrokerUnavailable`` from any of these calls; a failed
+    ``publish`` may have landed in part, and is called again with the same items."""
+
+    engine_id: str
+    incarnation: str  # of this process: a restarted engine keeps its id, not its incarnation
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]: ...
-    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]]) -> None: ...
-    async def ack(self, entry_id: bytes) -> None: ...
+    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None: ...
+    async def ack(self, handle: RequestHandle) -> None: ...
+    async def dead_letter(self, handle: RequestHandle, reason: str) -> None: ...
+    async def reclaim(self, room: int) -> list[Pulled]: ...
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]: ...
+    async def gateways(self) -> dict[str, GatewayBeat]: ...
     async def heartbeat(self, beat: Heartbeat) -> None: ...
 
 

@@ -4,6 +4,9 @@ Every flag has an environment twin, PAGEDSERVE_<FLAG> (dashes as underscores);
 the flag wins when both are given. Repeatable flags take a comma-separated list
 from the environment. The flags are the fields of the configs each command runs
 (EngineConfig, RedisConfig, GatewayConfig, WorkerConfig), derived in service/flags.py.
+
+Exit codes: 0 when stopped (a worker drains first on SIGTERM), 2 for a bad option, 3 when a
+worker's engine failed --max-failed-steps steps in a row (its supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "gateway":
             _run_async(_serve_gateway(gateway_config(args)))
         elif args.command == "worker":
-            _run_async(_serve_worker(worker_config(args)))
+            return _run_async(_serve_worker(worker_config(args)))
         else:
             return _serve_all(args)
     except ValueError as exc:
@@ -89,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_async(coro: Any) -> None:
+def _run_async(coro: Any) -> Any:
     import uvloop
-    uvloop.run(coro)
+    return uvloop.run(coro)
 
 
 async def _wait_for_signal() -> None:
@@ -125,19 +128,20 @@ async def _serve_gateway(config: GatewayConfig) -> None:
         await runner.cleanup()
 
 
-async def _serve_worker(config: WorkerConfig) -> None:
+async def _serve_worker(config: WorkerConfig) -> int:
     from engine import LLMEngine
-    from service.broker import RedisWorkerBroker
-    from service.worker import Worker
+    from service.redis_worker import RedisWorkerBroker
+    from service.worker import Worker, tune_gc
 
     engine = LLMEngine(config.engine)
+    tune_gc()
     name = served_name(config.engine.model, config.served_model_name)
     broker = RedisWorkerBroker(config.redis, config.engine_id, name, config.reply_ttl_s, config.heartbeat_ttl_s)
     worker = Worker(config, engine, name, broker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
-    await worker.run()
+    return await worker.run()
 
 
 def _serve_all(args: argparse.Namespace) -> int:

@@ -121,6 +121,18 @@ class WorkerConfig:
                             help="seconds a finished request's reply stream stays readable")
     # Requests taken per step at most, so engines share the queue.
     max_pull: int = spec(8, low=1, help="most new requests taken per step")
+    checkpoint_interval_s: float = spec(2.0, low=0, low_open=True, flag="--checkpoint-interval",
+                                        help="seconds between checkpoints of each running request's delivered "
+                                             "tokens (a resuming engine reads the replies since the last one)")
+    max_deliveries: int = spec(3, low=1, help="engines a request may have failed on before it is dead-lettered")
+    drain_timeout_s: float = spec(30.0, low=0, flag="--drain-timeout",
+                                  help="seconds a SIGTERM waits for in-flight requests before leaving them to "
+                                       "other engines")
+    max_failed_steps: int = spec(5, low=1, help="consecutive failed engine steps that make the worker exit "
+                                                "(non-zero) for its supervisor to restart it")
+    # A gateway's clients may reconnect elsewhere for this long (its requests are kept if one adopts them).
+    orphan_grace_s: float = spec(10.0, low=0, flag="--orphan-grace",
+                                 help="seconds after a gateway's heartbeat is gone before its requests are aborted")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -15,7 +15,8 @@ import uuid
 from collections import defaultdict, deque
 
 from service.broker_api import Pulled, ReplyRouter, RequestHandle, read_request
-from service.messages import Heartbeat, ReplyEvent, RequestMsg, decode, encode
+from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, RequestMsg, decode,
+                              decode_batch, encode, encode_batch)
 
 
 class MemoryBus:
@@ -27,7 +28,9 @@ class MemoryBus:
         self.unacked: dict[bytes, bytes] = {}  # pulled, not finished
         self.aborts: list[str] = []
         self.beats: dict[str, tuple[bytes, float]] = {}  # engine id -> (Heartbeat, monotonic expiry)
-        self.gateways: dict[str, MemoryGatewayBroker] = {}
+        self.gateways: dict[str, MemoryGatewayBroker] = {}  # the live ones
+        self.progress: dict[str, bytes] = {}  # request id -> Progress
+        self.deadletter: list[tuple[str, str]] = []  # (request id, reason)
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._entry_ids = itertools.count(1)
 
@@ -77,9 +80,11 @@ class MemoryGatewayBroker(ReplyRouter):
         self.release(request_id)
         self.bus.aborts.append(request_id)
 
-    def receive(self, request_id: str, payload: bytes) -> None:
-        if (sub := self._subs.get(request_id)) is not None:
-            self._deliver(sub, payload)
+    def receive(self, payload: bytes) -> None:
+        """One ReplyBatch, as a gateway's out stream carries it."""
+        for request_id, event in decode_batch(payload).events:
+            if (sub := self._subs.get(request_id)) is not None:
+                self._deliver(sub, encode(event))
 
     async def _refresh_engines(self) -> None:
         self.engines = {i: decode(Heartbeat, beat) for i, beat in self.bus.live_beats().items()}
@@ -87,10 +92,13 @@ class MemoryGatewayBroker(ReplyRouter):
 
 
 class MemoryWorkerBroker:
+    """A worker's side; no engine dies in one process, so there is nothing to reclaim."""
+
     def __init__(self, bus: MemoryBus, engine_id: str, model: str, heartbeat_ttl_s: float,
                  block_s: float = 0.1) -> None:
         self.bus = bus
         self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex[:12]
         self.model = model
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._block_s = block_s
@@ -114,16 +122,32 @@ class MemoryWorkerBroker:
         self._abort_cursor += len(aborts)
         return pulled, aborts
 
-    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]]) -> None:
+    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None:
+        """One encoded ReplyBatch per gateway, as over Redis."""
+        by_gateway: dict[str, list[tuple[str, ReplyEvent]]] = defaultdict(list)
         for handle, event in items:
-            gateway = self.bus.gateways.get(handle.gateway_id)
-            if gateway is not None:
-                gateway.receive(handle.request_id, encode(event))
+            by_gateway[handle.gateway_id].append((handle.request_id, event))
             if event.finished:
                 self.bus.unacked.pop(handle.entry_id, None)
+        for gateway_id, events in by_gateway.items():
+            if (gateway := self.bus.gateways.get(gateway_id)) is not None:
+                gateway.receive(encode_batch(ReplyBatch(self.engine_id, self.incarnation, events)))
+        self.bus.progress.update((p.request_id, encode(p)) for p in checkpoints)
 
-    async def ack(self, entry_id: bytes) -> None:
-        self.bus.unacked.pop(entry_id, None)
+    async def ack(self, handle: RequestHandle) -> None:
+        self.bus.unacked.pop(handle.entry_id, None)
+
+    async def dead_letter(self, handle: RequestHandle, reason: str) -> None:
+        self.bus.deadletter.append((handle.request_id, reason))
+
+    async def reclaim(self, room: int) -> list[Pulled]:
+        return []
+
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        return []
+
+    async def gateways(self) -> dict[str, GatewayBeat]:
+        return {gateway_id: GatewayBeat(gateway_id) for gateway_id in self.bus.gateways}
 
     async def heartbeat(self, beat: Heartbeat) -> None:
         self.bus.beats[self.engine_id] = (encode(beat), time.monotonic() + self._heartbeat_ttl_s)

@@ -3,30 +3,45 @@
 
 Each iteration: pull new requests only if the engine has room (so idle engines
 take the work: pull-based balancing), apply aborts, run one engine step in a
-dedicated thread (torch is synchronous; the event loop keeps beating), and
-publish every output of the step in one pipeline.
+dedicated thread (torch is synchronous), and publish every reply of the step in
+one call, overlapping the next step. Every heartbeat interval, between steps, it
+also takes over the requests of dead engines (resuming each where its transcript
+ends) and aborts requests whose gateway has been gone for ``orphan_grace_s``
+unless a live gateway adopted them (a client resumed its stream there).
+
+Replies are never dropped on a broker error: they stay in the outbox, in order,
+and go out with the next try (the gateway drops what landed twice, by index),
+for up to ``reply_ttl_s``. A request's counted events (OUTPUT, ERROR) are
+numbered 0, 1, 2, ... across engines: a resumed one continues the count.
+
+SIGTERM drains: no new pulls, in-flight requests finish for up to
+``drain_timeout_s``, then the heartbeat is deleted so other engines resume the
+rest at once. ``max_failed_steps`` consecutive failed steps end the worker with
+``EXIT_FAILED_STEPS`` for its supervisor to restart it.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 from service.broker_api import BrokerUnavailable, Pulled, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
-from service.messages import ChoiceDelta, EventKind, Heartbeat, ReplyEvent
+from service.messages import ChoiceDelta, EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent
 
 log = logging.getLogger(__name__)
 
 _RECENT_ABORTS = 10_000  # ids remembered so a request aborted while queued is never started
 _RETRY_S = 0.5
+EXIT_FAILED_STEPS = 3
 
 Published = list[tuple[RequestHandle, ReplyEvent]]
 
@@ -39,7 +54,7 @@ class Engine(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None) -> None: ...
+                    cache_salt: str | None = None, resume: ResumeState | None = None) -> None: ...
 
     def abort_request(self, request_ids: list[str]) -> None: ...
 
@@ -52,34 +67,78 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
 
+@dataclass(slots=True)
+class _Run:
+    """A request this worker answers: where its replies go, and what it delivered (for checkpoints)."""
+
+    handle: RequestHandle
+    next_index: int
+    tokens: list[list[int]]  # per choice
+    reasons: list[str | None]
+    num_cached_tokens: int = 0
+    checkpointed: int = 0  # next_index at the last checkpoint that landed
+
+    def progress(self, time_ms: int) -> Progress:
+        # No logprobs: a resuming engine needs the tokens only, a gateway replay reads every event.
+        return Progress(self.handle.request_id, self.next_index, [list(t) for t in self.tokens], list(self.reasons),
+                        None, self.num_cached_tokens, time_ms)
+
+
+@dataclass(slots=True)
+class _Polled:
+    pulled: list[Pulled]
+    aborts: list[str]
+    gateways: dict[str, GatewayBeat] | None = None  # read every heartbeat interval
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, engine: Engine, model_name: str, broker: WorkerBroker) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = broker.incarnation
         self.broker = broker
-        self._owned: dict[str, RequestHandle] = {}
+        self.exit_code = 0
+        self._owned: dict[str, _Run] = {}
         self._recent_aborts: dict[str, None] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._stats: EngineStats = engine.stats()
         self._stats_time = 0.0
         self._publishing: asyncio.Task | None = None
-        self._stopping = asyncio.Event()
+        self._outbox: Published = []
+        self._outbox_failing_since: float | None = None
+        self._checkpoint_at = 0.0
+        self._housekeeping_at = 0.0
+        self._gateway_gone_since: dict[str, float] = {}
+        self._iterations = 0  # the heartbeat stops when this stands still (a hung step)
+        self._beat_ok_at = time.monotonic()
+        self._failed_steps = 0
+        self._drain_deadline: float | None = None
 
     def stop(self) -> None:
-        self._stopping.set()
+        """Drains: no new requests; those in flight finish for up to ``drain_timeout_s``."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            log.info("draining: %d requests in flight", len(self._owned))
 
-    async def run(self) -> None:
+    async def run(self) -> int:
+        """Serves until drained or failed; the process's exit code."""
         await self.broker.start()
         beat = asyncio.create_task(self._beat())
         log.info("worker %s serving %s", self.config.engine_id, self.model_name)
         try:
-            while not self._stopping.is_set():
+            while not self._done():
                 await self._iterate_safely()
+                self._iterations += 1
         finally:
             beat.cancel()
             await self._shutdown()
+        return self.exit_code
+
+    def _done(self) -> bool:
+        if self.exit_code or self._drain_deadline is None:
+            return bool(self.exit_code)
+        return not self.engine.has_unfinished_requests() or time.monotonic() >= self._drain_deadline
 
     async def _iterate_safely(self) -> None:
         try:
@@ -89,68 +148,153 @@ class Worker:
             await asyncio.sleep(_RETRY_S)
 
     async def _iterate(self) -> None:
-        room = self.config.max_pull if self.engine.has_capacity() else 0
+        room = self.config.max_pull if self.engine.has_capacity() and self._drain_deadline is None else 0
         if self.engine.has_unfinished_requests():
-            events, (pulled, aborts) = await self._step_while_polling(room)
+            events, polled = await self._step_while_polling(room)
         else:
             await self._publish_later([])  # nothing may linger while idle
             if not room:
-                await asyncio.sleep(_RETRY_S)  # idle yet full should not happen; never spin
-            events, (pulled, aborts) = [], await self.broker.poll(room, block=True)
+                await asyncio.sleep(_RETRY_S)  # idle yet full (or draining) should not happen; never spin
+            events, polled = [], await self._poll(room, block=True)
         # Between steps: the engine is only ever touched while no step runs.
-        self._remember_aborts(aborts)
-        if pulled:
-            await self.broker.publish(await self._admit(pulled))  # "accepted" goes out at once
-        await self._publish_later(events + self._abort_owned(aborts))
+        self._remember_aborts(polled.aborts)
+        events += await self._admit(polled.pulled) + self._abort_owned(polled.aborts)
+        if polled.gateways is not None:
+            events += self._abort_orphans(polled.gateways)
+        await self._publish_later(events, await self._taken_over(events))
         self._refresh_stats()
 
-    async def _step_while_polling(self, room: int) -> tuple[Published, tuple[list[Pulled], list[str]]]:
-        """The Redis round trip for new requests and aborts overlaps the engine step."""
+    async def _step_while_polling(self, room: int) -> tuple[Published, _Polled]:
+        """The Redis round trips for new requests and aborts overlap the engine step."""
         step = asyncio.ensure_future(self._step())
         try:
-            polled = await self.broker.poll(room, block=False)
+            polled = await self._poll(room, block=False)
         except BrokerUnavailable as exc:
             log.warning("polling: %s", exc)
-            polled = ([], [])
+            polled = _Polled([], [])
         return await step, polled
 
-    async def _publish_later(self, events: Published) -> None:
-        """Publishes while the next step runs; waits for the previous batch first,
-        so each reply stream stays in order."""
+    async def _poll(self, room: int, block: bool) -> _Polled:
+        pulled, aborts = await self.broker.poll(room, block)
+        polled = _Polled(pulled, aborts)
+        if time.monotonic() >= self._housekeeping_at:
+            self._housekeeping_at = time.monotonic() + self.config.heartbeat_interval_s
+            try:
+                if room > len(pulled):
+                    polled.pulled += await self.broker.reclaim(room - len(pulled))
+                polled.gateways = await self.broker.gateways()
+            except BrokerUnavailable as exc:
+                log.warning("reading dead engines and live gateways: %s", exc)
+        return polled
+
+    async def _taken_over(self, events: Published) -> set[str]:
+        """After a gap in the beats longer than their TTL (a hung step, Redis out of reach), other engines may
+        have resumed some of this one's requests: those are dropped here, their replies unpublished."""
+        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s:
+            return set()
+        handles = {h.request_id: h for h, _ in self._outbox + events} | {r: run.handle for r, run in self._owned.items()}
+        try:
+            lost = {h.request_id for h in await self.broker.taken_over(list(handles.values()))}
+        except BrokerUnavailable:
+            return set()
+        if lost:
+            log.warning("%d requests were resumed by other engines while this one stalled: dropping them", len(lost))
+            self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
+        return lost
+
+    async def _publish_later(self, events: Published, dropped: set[str] = frozenset()) -> None:
+        """Publishes while the next step runs; waits for the previous call first, so each
+        request's replies stay in order. What failed to go out goes first next time."""
         previous, self._publishing = self._publishing, None
         if previous is not None:
             await previous
-        if events:
-            self._publishing = asyncio.create_task(self.broker.publish(events))
+        self._outbox += events
+        if dropped:
+            self._outbox = [item for item in self._outbox if item[0].request_id not in dropped]
+        if self._outbox:
+            self._publishing = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        items, runs = self._outbox, self._checkpoint_due()
+        now_ms = int(time.time() * 1000)
+        try:
+            await self.broker.publish(items, [run.progress(now_ms) for run in runs])
+        except BrokerUnavailable as exc:
+            self._keep_outbox(exc)
+            return
+        self._outbox, self._outbox_failing_since = self._outbox[len(items):], None
+        for run in runs:
+            run.checkpointed = run.next_index
+
+    def _checkpoint_due(self) -> list[_Run]:
+        """The requests whose delivered count moved since their last checkpoint, every checkpoint interval.
+        Taken with the outbox: a checkpoint never covers an event that has not gone out with it."""
+        now = time.monotonic()
+        if now < self._checkpoint_at:
+            return []
+        self._checkpoint_at = now + self.config.checkpoint_interval_s
+        return [run for run in self._owned.values() if run.next_index != run.checkpointed]
+
+    def _keep_outbox(self, exc: BrokerUnavailable) -> None:
+        now = time.monotonic()
+        self._outbox_failing_since = self._outbox_failing_since or now
+        if now - self._outbox_failing_since < self.config.reply_ttl_s:
+            log.warning("publishing %d replies failed, retrying: %s", len(self._outbox), exc)
+            return
+        log.error("giving up on %d replies after %ds of broker errors", len(self._outbox), self.config.reply_ttl_s)
+        self._outbox, self._outbox_failing_since = [], None
 
     async def _admit(self, pulled: list[Pulled]) -> Published:
         events: Published = []
         for item in pulled:
-            if item.msg is None:
-                log.error("dropping %s", item.error)
-                await self.broker.ack(item.handle.entry_id)
+            if item.msg is None or (item.resume is not None and item.resume.finished):
+                if item.msg is None:
+                    log.error("dropping %s", item.error)
+                await self._quietly(self.broker.ack(item.handle))  # nothing left to say
+                continue
+            run = self._new_run(item)
+            if item.deliveries >= self.config.max_deliveries:
+                reason = f"failed on {item.deliveries} engines"
+                await self._quietly(self.broker.dead_letter(item.handle, reason))
+                events.append((item.handle, self._counted(run, EventKind.ERROR, finished=True, error=reason)))
                 continue
             events.append((item.handle, self._event(EventKind.ACCEPTED)))
-            if (reply := self._add(item)) is not None:
+            if (reply := self._add(item, run)) is not None:
                 events.append((item.handle, reply))
         return events
 
-    def _add(self, item: Pulled) -> ReplyEvent | None:
+    async def _quietly(self, call: Any) -> None:
+        try:
+            await call
+        except BrokerUnavailable as exc:  # the entry stays pending; a later reclaim meets it again
+            log.warning("broker call failed: %s", exc)
+
+    def _new_run(self, item: Pulled) -> _Run:
+        n = item.msg.params.get("n", 1)
+        if item.resume is None:
+            return _Run(item.handle, 0, [[] for _ in range(n)], [None] * n)
+        tokens, reasons = item.resume.choices(n)
+        return _Run(item.handle, item.resume.next_index, tokens, reasons)
+
+    def _add(self, item: Pulled, run: _Run) -> ReplyEvent | None:
         msg = item.msg
         if msg.request_id in self._recent_aborts:
-            return self._event(EventKind.OUTPUT, finished=True)
+            return self._counted(run, EventKind.OUTPUT, finished=True)
         if msg.model != self.model_name:  # the per-model request streams keep this from happening
-            return self._event(EventKind.ERROR, finished=True, status=404,
-                               error=f"this engine serves {self.model_name!r}, not {msg.model!r}")
+            return self._counted(run, EventKind.ERROR, finished=True, status=404,
+                                 error=f"this engine serves {self.model_name!r}, not {msg.model!r}")
         try:
             params = SamplingParams(**msg.params)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt,
+                                    resume=_resume_state(run, params))
         except (ValueError, TypeError) as exc:
-            return self._event(EventKind.ERROR, finished=True, error=str(exc), status=400)
+            return self._counted(run, EventKind.ERROR, finished=True, error=str(exc), status=400)
         except Exception as exc:  # a bad request must not take the worker down
             log.exception("add_request failed for %s", msg.request_id)
-            return self._event(EventKind.ERROR, finished=True, error=f"engine error: {exc}", status=500)
-        self._owned[msg.request_id] = item.handle
+            return self._counted(run, EventKind.ERROR, finished=True, error=f"engine error: {exc}")
+        if item.resume is not None:
+            log.info("resuming %s at event %d", msg.request_id, run.next_index)
+        self._owned[msg.request_id] = run
         return None
 
     def _remember_aborts(self, aborts: list[str]) -> None:
@@ -161,9 +305,27 @@ class Worker:
 
     def _abort_owned(self, aborts: list[str]) -> Published:
         owned = [rid for rid in aborts if rid in self._owned]
-        if owned:
-            self.engine.abort_request(owned)  # blocks go back to the pool now
-        return [(self._owned.pop(rid), self._event(EventKind.OUTPUT, finished=True)) for rid in owned]
+        return self._end(owned, EventKind.OUTPUT)
+
+    def _abort_orphans(self, gateways: dict[str, GatewayBeat]) -> Published:
+        """Requests whose gateway has been gone for ``orphan_grace_s`` have no reader, unless a live gateway
+        adopted them (their client resumed its stream there): the others are aborted."""
+        now = time.monotonic()
+        gone = {run.handle.gateway_id for run in self._owned.values()} - gateways.keys()
+        self._gateway_gone_since = {g: self._gateway_gone_since.get(g, now) for g in gone}
+        expired = {g for g, since in self._gateway_gone_since.items() if now - since >= self.config.orphan_grace_s}
+        adopted = {rid for beat in gateways.values() for rid in beat.adopted}
+        orphans = [rid for rid, run in self._owned.items() if run.handle.gateway_id in expired and rid not in adopted]
+        if orphans:
+            log.warning("aborting %d requests whose gateway is gone", len(orphans))
+        return self._end(orphans, EventKind.ERROR, error="the request's gateway is gone", status=503)
+
+    def _end(self, request_ids: list[str], kind: EventKind, **fields: Any) -> Published:
+        """Aborts owned requests in the engine (their blocks go back to the pool now), with a final event each."""
+        if request_ids:
+            self.engine.abort_request(request_ids)
+        runs = [self._owned.pop(rid) for rid in request_ids]
+        return [(run.handle, self._counted(run, kind, finished=True, **fields)) for run in runs]
 
     async def _step(self) -> Published:
         loop = asyncio.get_running_loop()
@@ -171,30 +333,50 @@ class Worker:
             outputs = await loop.run_in_executor(self._executor, self.engine.step)
         except Exception as exc:
             log.exception("engine step failed; failing its requests")
+            self._count_step(failed=True)
             return self._fail_all(f"engine step failed: {exc}", status=500)
+        # The engine fails a bad request alone, not the step: a step that failed requests and produced no
+        # token failed too (a broken device fails every request it runs, one after the other).
+        if any(out.error for out in outputs):
+            self._count_step(failed=not any(c.token_ids for out in outputs for c in out.outputs))
+        elif outputs:
+            self._failed_steps = 0
         return [item for out in outputs if (item := self._output_event(out)) is not None]
 
+    def _count_step(self, failed: bool) -> None:
+        self._failed_steps = self._failed_steps + 1 if failed else 0
+        if self._failed_steps >= self.config.max_failed_steps:
+            log.error("%d engine steps failed in a row: exiting for the supervisor to restart the engine",
+                      self._failed_steps)
+            self.exit_code = EXIT_FAILED_STEPS
+
     def _output_event(self, out: RequestOutput) -> tuple[RequestHandle, ReplyEvent] | None:
-        handle = self._owned.get(out.request_id)
-        if handle is None:
+        run = self._owned.get(out.request_id)
+        if run is None:
             return None  # aborted here already
         if out.finished:
             del self._owned[out.request_id]
         if out.error:
-            return handle, self._event(EventKind.ERROR, finished=True, error=out.error, status=500)
-        choices = [ChoiceDelta(c.index, list(c.token_ids), c.logprobs, c.finish_reason)
-                   for c in out.outputs]
-        return handle, self._event(EventKind.OUTPUT, choices=choices, finished=out.finished,
-                                   num_cached_tokens=out.num_cached_tokens)
+            return run.handle, self._counted(run, EventKind.ERROR, finished=True, error=out.error)
+        choices = []
+        for c in out.outputs:
+            run.tokens[c.index] += c.token_ids
+            run.reasons[c.index] = c.finish_reason
+            choices.append(ChoiceDelta(c.index, c.token_ids, c.logprobs, c.finish_reason))
+        run.num_cached_tokens = out.num_cached_tokens
+        run.next_index += 1
+        # Positional: this runs per request per step, the worker's hottest line.
+        return run.handle, ReplyEvent(EventKind.OUTPUT, self.config.engine_id, self.incarnation, choices, out.finished,
+                                      out.num_cached_tokens, None, 500, run.next_index - 1)
 
     def _fail_all(self, error: str, status: int) -> Published:
-        failed = list(self._owned)
         try:
-            self.engine.abort_request(failed)
+            return self._end(list(self._owned), EventKind.ERROR, error=error, status=status)
         except Exception:
             log.exception("abort after failure failed")
-        return [(self._owned.pop(rid), self._event(EventKind.ERROR, finished=True, error=error, status=status))
-                for rid in failed]
+            runs, self._owned = list(self._owned.values()), {}
+            return [(run.handle, self._counted(run, EventKind.ERROR, finished=True, error=error, status=status))
+                    for run in runs]
 
     def _refresh_stats(self) -> None:
         # Between steps, on the loop thread: the engine is never read while it steps.
@@ -206,20 +388,59 @@ class Worker:
     def _event(self, kind: EventKind, **fields: Any) -> ReplyEvent:
         return ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields)
 
+    def _counted(self, run: _Run, kind: EventKind, **fields: Any) -> ReplyEvent:
+        """An OUTPUT or ERROR event, numbered in its request's sequence."""
+        event = self._event(kind, index=run.next_index, **fields)
+        run.next_index += 1
+        return event
+
     async def _beat(self) -> None:
+        """Beats while the loop moves: a step hung for longer than the heartbeat TTL stops the beats, so
+        the gateways and the other engines take this one for dead and its requests get resumed."""
+        seen, moved_at = -1, time.monotonic()
         while True:
-            try:
-                await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
-                                                      self.engine.max_model_len, self._stats))
-            except BrokerUnavailable as exc:
-                log.warning("heartbeat failed: %s", exc)
+            if self._iterations != seen:
+                seen, moved_at = self._iterations, time.monotonic()
+            if time.monotonic() - moved_at < self.config.heartbeat_ttl_s:
+                await self._send_beat()
+            else:
+                log.error("the step loop has not moved for %.0fs: not beating", time.monotonic() - moved_at)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
-    async def _shutdown(self) -> None:
+    async def _send_beat(self) -> None:
         try:
-            await self._publish_later([])
-            await self.broker.publish(self._fail_all("the engine is shutting down", status=503))
-        except BrokerUnavailable:
-            pass
+            await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
+                                                  self.engine.max_model_len, self._stats))
+            self._beat_ok_at = time.monotonic()
+        except BrokerUnavailable as exc:
+            log.warning("heartbeat failed: %s", exc)
+        except Exception:  # the beat task must outlive any bug: without it, others take this engine for dead
+            log.exception("heartbeat failed")
+
+    async def _shutdown(self) -> None:
+        """The last replies go out; requests still running are left pending, and the heartbeat is deleted,
+        so another engine resumes them at once."""
+        await self._publish_later([])
+        if self._publishing is not None:
+            await self._publishing
+        if self._owned:
+            log.warning("leaving %d unfinished requests to other engines", len(self._owned))
         await self.broker.close()
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def tune_gc() -> None:
+    """For a worker process, once its engine is loaded. The worker allocates a few objects per token per
+    step: with the default thresholds, young collections run several times a step and full ones walk every
+    object of torch and the model (measured: ~1.2 us of worker CPU per token at 256 streams,
+    loadtest/bench_broker.py). Frozen, those are out of the collector's reach; collections get rarer."""
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
+
+
+def _resume_state(run: _Run, params: SamplingParams) -> ResumeState | None:
+    """The engine continues from the delivered tokens; beam search (published only at its end) restarts."""
+    if params.use_beam_search or not any(run.tokens):
+        run.tokens, run.reasons = [[] for _ in run.tokens], [None] * len(run.reasons)
+        return None
+    return ResumeState([list(t) for t in run.tokens], list(run.reasons))

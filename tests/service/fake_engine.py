@@ -1,33 +1,45 @@
 """A stand-in for LLMEngine in worker and gateway tests."""
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput, RequestOutput
+import time
+
+from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from tests.service.conftest import engine_stats
 
 BOOM_ON_ADD = 13  # a prompt starting with this token makes add_request blow up
 BOOM_ON_STEP = 14  # ... and with this one, the next step
+FAIL_ON_STEP = 15  # ... and with this one, the next step fails the request (as LLMEngine fails a bad one alone)
 
 
 class FakeEngine:
     """The LLMEngine API in miniature: each step emits one token per request
-    (66, 67, ... : "B", "C", ... in the demo tokenizer)."""
+    (66, 67, ... : "B", "C", ... in the demo tokenizer); a resumed request continues the count
+    after its delivered tokens (``resumed`` records each ResumeState)."""
 
     max_model_len = 2048
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s  # each step sleeps this long (on the worker's step thread)
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
+        self.resumed: dict[str, ResumeState] = {}
+        self.failing: set[str] = set()
         self.capacity = True
         self._boom = False
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    resume: ResumeState | None = None) -> None:
         if prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")
         self._boom |= prompt_token_ids[0] == BOOM_ON_STEP
-        self.requests[request_id] = [params.max_tokens, 0]
+        self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
+        if prompt_token_ids[0] == FAIL_ON_STEP:
+            self.failing.add(request_id)
+        if resume is not None:
+            self.resumed[request_id] = resume
         self.added.append(request_id)
 
     def abort_request(self, request_ids) -> None:
@@ -35,10 +47,14 @@ class FakeEngine:
             self.requests.pop(request_id, None)
 
     def step(self) -> list:
+        time.sleep(self.step_s)
         if self._boom:
             self._boom = False
             raise RuntimeError("kaboom")
-        outputs = []
+        outputs = [RequestOutput(rid, [], [], finished=True, error="device error") for rid in self.failing]
+        for request_id in self.failing:
+            self.requests.pop(request_id, None)
+        self.failing.clear()
         for request_id, state in list(self.requests.items()):
             state[1] += 1
             done = state[1] == state[0]

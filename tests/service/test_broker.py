@@ -1,14 +1,41 @@
-"""The Redis gateway broker against a real redis-server: shutdown never waits on a blocking read; a burst of
-submissions waits for pooled connections instead of failing."""
+"""The Redis clients: redis-py never retries a command behind our back. The Redis gateway broker against a real
+redis-server: shutdown never waits on a blocking read; a burst of submissions waits for pooled connections
+instead of failing."""
 from __future__ import annotations
 
 import asyncio
 import uuid
 
+import pytest
+from redis.exceptions import ConnectionError
+
 from service.broker import Keys, RedisGatewayBroker, connect
 from service.config import RedisConfig
 from service.messages import RequestMsg, params_to_wire
 from engine import SamplingParams
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_a_failed_command_is_not_retried(blocking: bool) -> None:
+    """A server that drops every connection at once: the command fails after one connection, not after
+    redis-py's default three retries (a retried XADD or pipeline whose first try landed runs twice)."""
+    connections = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writer.transport.abort()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(RedisConfig(url=f"redis://127.0.0.1:{port}/0"), blocking=blocking)
+    try:
+        with pytest.raises(ConnectionError):
+            await client.xadd("k", {"f": "v"})
+        assert connections == 1
+    finally:
+        await client.aclose()
+        server.close()
 
 
 async def test_close_wakes_the_blocked_reader_at_once(redis_url: str) -> None:

@@ -10,7 +10,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from service.broker import RedisGatewayBroker, RedisWorkerBroker
+from service.broker import RedisGatewayBroker
+from service.redis_worker import RedisWorkerBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.local_stack import LocalStack, free_port
@@ -126,7 +127,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
         pulled: list = []
         while not pulled:
             pulled = (await engine_side.poll(1, block=False))[0]
-        await engine_side.publish([(pulled[0].handle, ReplyEvent(EventKind.ACCEPTED, "fake-engine", "1"))])
+        await engine_side.publish([(pulled[0].handle, ReplyEvent(EventKind.ACCEPTED, "fake-engine", "1"))], [])
         # The same engine id beats again, from a new process: the old one's request cannot finish.
         await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, engine_stats()))
         response = await asyncio.wait_for(pending, 10)

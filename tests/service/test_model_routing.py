@@ -7,7 +7,8 @@ import time
 import uuid
 
 from engine import SamplingParams
-from service.broker import Keys, RedisGatewayBroker, RedisWorkerBroker
+from service.broker import Keys, RedisGatewayBroker
+from service.redis_worker import RedisWorkerBroker
 from service.config import RedisConfig, WorkerConfig
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
 from service.messages import EventKind, RequestMsg, params_to_wire

@@ -18,7 +18,8 @@ import redis
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from service.broker import ACL_COMMANDS, RedisGatewayBroker, RedisWorkerBroker, acl_rules
+from service.broker import ACL_COMMANDS, RedisGatewayBroker, acl_rules
+from service.redis_worker import RedisWorkerBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.local_stack import free_port

@@ -111,3 +111,13 @@ async def test_errors_reach_the_requester(bus, gateway) -> None:
     assert (bad_add[-1].kind, bad_add[-1].status) == (EventKind.ERROR, 500) and "boom" in bad_add[-1].error
     assert (bad_params[-1].kind, bad_params[-1].status) == (EventKind.ERROR, 400)
     assert (bad_step[-1].kind, bad_step[-1].status) == (EventKind.ERROR, 500) and "kaboom" in bad_step[-1].error
+
+
+async def test_a_hung_step_stops_the_heartbeats(bus, gateway) -> None:
+    async with running(memory_worker(bus, FakeEngine(step_s=3.0))):  # heartbeat TTL 1 s
+        await until(lambda: "w0" in bus.live_beats())
+        queue = await submit(gateway, "r1", [1], max_tokens=1)
+        await asyncio.wait_for(queue.get(), 5)  # accepted: its step starts, and hangs
+        await until(lambda: "w0" not in bus.live_beats(), timeout_s=2.9)
+        await until_finished(queue)
+        await until(lambda: "w0" in bus.live_beats())  # beating again once the loop moves

@@ -1,0 +1,285 @@
+"""An engine worker's side of the Redis broker (schema v5; the key layout is in ``service.redis_keys``).
+
+- Pull: XREADGROUP as consumer ``engine_id/incarnation``; each entry's request is claimed with
+  ``SET owner NX``, so a duplicated entry (a retried XADD) is acked and dropped, never run twice.
+  After a failed read, the consumer's own pending entries are read back (id "0"): a read that timed
+  out after Redis delivered leaves nothing unprocessed.
+- Publish: one ReplyBatch entry per gateway per call (its cost is O(gateways), not O(requests)),
+  the Progress checkpoints after them in the same pipeline (a checkpoint never covers an event that
+  did not land), and a finished request's entry acked and deleted.
+- Reclaim: the pending entries of dead consumers (their engine's heartbeat is gone or names another
+  incarnation) are taken over with XCLAIM (atomic: once claimed, a second claimer's min-idle fails)
+  and come back with their transcript, so the worker resumes them where the dead engine stopped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from service.broker import GROUP, _unavailable_on_error, connect, ensure_group
+from service.broker_api import Pulled, RequestHandle, read_request
+from service.config import RedisConfig
+from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, SchemaError, StreamRecord,
+                              decode, encode, encode_batch)
+from service.redis_keys import Keys, consumer_name
+from service.transcript import read_transcript
+
+log = logging.getLogger(__name__)
+
+_DEADLETTER_MAXLEN = 10_000
+UNFINISHED_TTL_S = 24 * 3600  # bounds the keys of a request whose engines all vanished
+
+
+class RedisWorkerBroker:
+    """Pull requests, read aborts, publish replies and checkpoints, reclaim dead engines' requests, beat."""
+
+    def __init__(self, config: RedisConfig, engine_id: str, model: str, reply_ttl_s: int,
+                 heartbeat_ttl_s: float) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.consumer = consumer_name(engine_id, self.incarnation)
+        self._keys = Keys(config.prefix)
+        self._requests = self._keys.requests(model)
+        self._reply_ttl_s = reply_ttl_s
+        self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self._client: aioredis.Redis | None = None
+        self._blocking: aioredis.Redis | None = None
+        self._abort_cursor = b"0-0"
+        self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
+        self._recover = False  # a read failed: Redis may have delivered entries that never arrived
+
+    async def start(self) -> None:
+        self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
+        await ensure_group(self._client, self._requests)
+        # Aborts from the last minute still matter: their requests may be queued.
+        self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
+
+    async def close(self) -> None:
+        """Drops the heartbeat: other engines resume this one's unfinished requests at once."""
+        try:
+            await self._client.delete(self._keys.engine(self.engine_id))
+            await self._client.srem(self._keys.engines, self.engine_id)
+        except (aioredis.RedisError, OSError):
+            pass
+        await self._client.aclose()
+        await self._blocking.aclose()
+
+    @_unavailable_on_error
+    async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
+        """Up to ``count`` new requests (waiting for one if ``block``) and new aborts."""
+        try:
+            return await self._poll(count, block)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await ensure_group(self._client, self._requests)  # Redis restarted empty
+            return [], []
+        except Exception:
+            self._recover = True
+            raise
+
+    async def _poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
+        recovered = await self._own_pending() if self._recover else []
+        self._recover = False
+        if block and count:
+            entries = await self._blocking.xreadgroup(GROUP, self.consumer, {self._requests: ">"},
+                                                      count=count, block=self.config.block_ms)
+            aborts = await self._client.xread({self._keys.aborts: self._abort_cursor})
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            if count:
+                pipe.xreadgroup(GROUP, self.consumer, {self._requests: ">"}, count=count)
+            pipe.xread({self._keys.aborts: self._abort_cursor})
+            results = await pipe.execute()
+            entries, aborts = (results if count else ([], results[0]))
+        fresh = [(e, f) for _, stream in entries or [] for e, f in stream]
+        pulled = await self._claim(recovered, mine_ok=True) + await self._claim(fresh, mine_ok=False)
+        return pulled, self._read_aborts(aborts)
+
+    async def _own_pending(self) -> list[tuple[bytes, dict]]:
+        response = await self._client.xreadgroup(GROUP, self.consumer, {self._requests: "0"})
+        return [(e, f) for _, stream in response or [] for e, f in stream if f and e not in self._running]
+
+    async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
+        """Each request's owner key, set if absent: one already set is a duplicate entry's (or, with
+        ``mine_ok``, this consumer's own claim from a read whose reply was lost)."""
+        pulled = [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
+        readable = [p for p in pulled if p.msg is not None]
+        if not readable:
+            return pulled
+        pipe = self._client.pipeline(transaction=False)
+        for p in readable:
+            pipe.set(self._keys.owner(p.msg.request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
+        owners = await pipe.execute()
+        me = self.consumer.encode()
+        duplicates = {p.handle.entry_id for p, old in zip(readable, owners)
+                      if old is not None and not (mine_ok and old == me)}
+        if duplicates:
+            log.warning("dropping %d duplicated request entries", len(duplicates))
+            await self._drop(*duplicates)
+        kept = [p for p in pulled if p.handle.entry_id not in duplicates]
+        self._running.update(p.handle.entry_id for p in kept if p.msg is not None)
+        return kept
+
+    async def _drop(self, *entry_ids: bytes) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xack(self._requests, GROUP, *entry_ids)
+        pipe.xdel(self._requests, *entry_ids)
+        await pipe.execute()
+
+    def _read_aborts(self, response: list) -> list[str]:
+        ids = []
+        for _, entries in response or []:
+            for entry_id, fields in entries:
+                self._abort_cursor = entry_id
+                ids.append(fields.get(b"r", b"").decode())
+        return ids
+
+    @_unavailable_on_error
+    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None:
+        """One ReplyBatch per gateway, then the checkpoints, then the finished requests' acks; all or
+        nothing for the caller, which keeps the items and calls again on failure (duplicates of events
+        whose first try landed are dropped by the gateway, by index)."""
+        pipe = self._client.pipeline(transaction=False)
+        by_gateway: dict[str, list[tuple[str, ReplyEvent]]] = {}
+        for handle, event in items:
+            by_gateway.setdefault(handle.gateway_id, []).append((handle.request_id, event))
+        min_id = f"{int(time.time() * 1000) - self._reply_ttl_s * 1000}-0"
+        for gateway_id, events in by_gateway.items():
+            out = self._keys.out(gateway_id)
+            pipe.xadd(out, {"b": encode_batch(ReplyBatch(self.engine_id, self.incarnation, events))},
+                      minid=min_id, approximate=True)
+            pipe.expire(out, self._reply_ttl_s)  # gone once nothing wrote to it for the retention window
+        for progress in checkpoints:
+            pipe.set(self._keys.progress(progress.request_id), encode(progress), ex=UNFINISHED_TTL_S)
+        finished = [handle for handle, event in items if event.finished]
+        self._finish(pipe, finished)
+        await pipe.execute()
+        self._running.difference_update(h.entry_id for h in finished)
+
+    def _finish(self, pipe: aioredis.client.Pipeline, handles: list[RequestHandle]) -> None:
+        if not handles:
+            return
+        for handle in handles:
+            if handle.request_id:
+                for key in (self._keys.request, self._keys.owner, self._keys.progress):
+                    pipe.expire(key(handle.request_id), self._reply_ttl_s)
+        entry_ids = [h.entry_id for h in handles]
+        pipe.xack(self._requests, GROUP, *entry_ids)
+        pipe.xdel(self._requests, *entry_ids)
+
+    @_unavailable_on_error
+    async def ack(self, handle: RequestHandle) -> None:
+        """Ends an entry that needs no reply: unreadable, or its request finished before."""
+        pipe = self._client.pipeline(transaction=False)
+        self._finish(pipe, [handle])
+        await pipe.execute()
+        self._running.discard(handle.entry_id)
+
+    @_unavailable_on_error
+    async def dead_letter(self, handle: RequestHandle, reason: str) -> None:
+        """Records a request given up on; its error event (published next) acks the entry."""
+        await self._client.xadd(self._keys.deadletter, {"r": handle.request_id, "e": handle.entry_id, "why": reason},
+                                maxlen=_DEADLETTER_MAXLEN, approximate=True)
+
+    @_unavailable_on_error
+    async def reclaim(self, room: int) -> list[Pulled]:
+        """Up to ``room`` pending entries of dead consumers, claimed for this one, with their transcripts
+        (``Pulled.resume``) and how many engines had them (``Pulled.deliveries``)."""
+        dead = await self._dead_consumers()
+        pulled: list[Pulled] = []
+        for name, pending in dead:
+            if not pending:
+                await self._client.xgroup_delconsumer(self._requests, GROUP, name)
+            elif len(pulled) < room:
+                pulled += await self._claim_from(name, room - len(pulled))
+        return pulled
+
+    async def _dead_consumers(self) -> list[tuple[str, int]]:
+        """(name, pending count) of each consumer whose engine's heartbeat is gone or names another incarnation."""
+        consumers = [(c["name"].decode(), c["pending"]) for c in
+                     await self._client.xinfo_consumers(self._requests, GROUP)]
+        others = [(name, pending) for name, pending in consumers if name != self.consumer]
+        if not others:
+            return []
+        beats = await self._client.mget([self._keys.engine(n.rpartition("/")[0]) for n, _ in others])
+        return [c for c, beat in zip(others, beats) if not _alive(beat, c[0].rpartition("/")[2])]
+
+    async def _claim_from(self, consumer: str, count: int) -> list[Pulled]:
+        pending = await self._client.xpending_range(self._requests, GROUP, min="-", max="+", count=count,
+                                                    consumername=consumer, idle=self._heartbeat_ttl_ms)
+        if not pending:
+            return []
+        deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
+        claimed = await self._client.xclaim(self._requests, GROUP, self.consumer, self._heartbeat_ttl_ms,
+                                            list(deliveries))
+        pulled = [read_request(e, f.get(b"p", b"")) for e, f in claimed if f]
+        for p in pulled:
+            p.deliveries = deliveries.get(p.handle.entry_id, 1)
+            self._running.add(p.handle.entry_id)
+        resumable = [p for p in pulled if p.msg is not None]
+        if resumable:
+            pipe = self._client.pipeline(transaction=False)
+            for p in resumable:
+                pipe.set(self._keys.owner(p.msg.request_id), self.consumer, ex=UNFINISHED_TTL_S)
+            await pipe.execute()
+        for p in resumable:
+            p.resume = await read_transcript(self._client, self._keys, _record_of(p))
+        log.info("claimed %d requests of dead consumer %s", len(pulled), consumer)
+        return pulled
+
+    @_unavailable_on_error
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        """Those of these requests whose owner key names another consumer now: another engine resumed them
+        while this one looked dead."""
+        if not handles:
+            return []
+        owners = await self._client.mget([self._keys.owner(h.request_id) for h in handles])
+        me = self.consumer.encode()
+        lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
+        self._running.difference_update(h.entry_id for h in lost)
+        return lost
+
+    @_unavailable_on_error
+    async def gateways(self) -> dict[str, GatewayBeat]:
+        """The live gateways by id; an unreadable beat counts as alive (it beats), adopting nothing."""
+        ids = sorted(i.decode() for i in await self._client.smembers(self._keys.gateways))
+        beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
+        return {i: _gateway_beat(i, b) for i, b in zip(ids, beats) if b is not None}
+
+    @_unavailable_on_error
+    async def heartbeat(self, beat: Heartbeat) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms)
+        pipe.sadd(self._keys.engines, self.engine_id)
+        await pipe.execute()
+
+
+def _alive(beat: bytes | None, incarnation: str) -> bool:
+    if beat is None:
+        return False
+    try:
+        return decode(Heartbeat, beat).incarnation == incarnation
+    except SchemaError:
+        return True  # an engine of another release beats there: not ours to take over
+
+
+def _gateway_beat(gateway_id: str, payload: bytes) -> GatewayBeat:
+    try:
+        return decode(GatewayBeat, payload)
+    except SchemaError as exc:
+        log.error("unreadable beat of gateway %s: %s", gateway_id, exc)
+        return GatewayBeat(gateway_id)
+
+
+def _record_of(pulled: Pulled) -> StreamRecord:
+    """What ``read_transcript`` needs of the StreamRecord, from the request itself (it names the gateway
+    and its arrival, the gateway's wall clock at submission): no GET, and no dependence on the record."""
+    msg = pulled.msg
+    return StreamRecord(msg.request_id, msg.gateway_id, b"", msg.prompt_token_ids, 0,
+                        int(msg.arrival_time * 1000), "")
