@@ -14,8 +14,12 @@ import time
 import uuid
 from collections import defaultdict, deque
 
-from service.broker_api import Pulled, ReplyRouter, RequestHandle, read_request
-from service.messages import Heartbeat, ReplyEvent, RequestMsg, decode, encode
+from service.broker_api import Pulled, RequestHandle, Resumed, read_request
+from service.config import GatewayConfig
+from service.messages import (CONTROL_INDEX, EventKind, Heartbeat, ReplyBatch, ReplyEvent, RequestMsg, StreamRecord,
+                              encode, encode_batch)
+from service.reply_router import ReplyRouter
+from service.supervise import supervised
 
 
 class MemoryBus:
@@ -51,8 +55,11 @@ class MemoryBus:
 
 
 class MemoryGatewayBroker(ReplyRouter):
-    def __init__(self, bus: MemoryBus, poll_s: float = 0.5) -> None:
-        super().__init__(poll_s)
+    """Replies arrive as Redis would carry them, one encoded ReplyBatch per engine step (``receive``);
+    nothing is stored for replay, so a client cannot resume here."""
+
+    def __init__(self, bus: MemoryBus, config: GatewayConfig) -> None:
+        super().__init__(config)
         self.bus = bus
         self.gateway_id = uuid.uuid4().hex[:12]
         self._watcher: asyncio.Task | None = None
@@ -60,14 +67,16 @@ class MemoryGatewayBroker(ReplyRouter):
     async def start(self) -> None:
         self.bus.gateways[self.gateway_id] = self
         await self._refresh_engines()
-        self._watcher = asyncio.create_task(self._watch_engines())
+        self._watcher = supervised("engine-watch", self._watch, self.poll_s)
 
     async def close(self) -> None:
         self._watcher.cancel()
         await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._stop_background()
         self.bus.gateways.pop(self.gateway_id, None)
 
-    async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+    async def submit(self, msg: RequestMsg, record: StreamRecord | None = None) -> asyncio.Queue[ReplyEvent]:
+        """(The record is for resuming, which this transport cannot.)"""
         payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
         self.bus.enqueue(msg.model, payload)
@@ -77,13 +86,15 @@ class MemoryGatewayBroker(ReplyRouter):
         self.release(request_id)
         self.bus.aborts.append(request_id)
 
-    def receive(self, request_id: str, payload: bytes) -> None:
-        if (sub := self._subs.get(request_id)) is not None:
-            self._deliver(sub, payload)
+    async def resume(self, request_id: str) -> Resumed | None:
+        return None
 
-    async def _refresh_engines(self) -> None:
-        self.engines = {i: decode(Heartbeat, beat) for i, beat in self.bus.live_beats().items()}
-        self.reachable = True
+    def receive(self, payload: bytes) -> None:
+        """One engine step's ReplyBatch for this gateway."""
+        self.route_payload(payload)
+
+    async def _read_beats(self) -> dict[str, bytes] | None:
+        return self.bus.live_beats()
 
 
 class MemoryWorkerBroker:
@@ -95,6 +106,7 @@ class MemoryWorkerBroker:
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
+        self._counts: defaultdict[str, int] = defaultdict(int)
 
     async def start(self) -> None:
         pass
@@ -115,12 +127,20 @@ class MemoryWorkerBroker:
         return pulled, aborts
 
     async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]]) -> None:
+        """One ReplyBatch per gateway, as over Redis. (A bridge until the v5 worker numbers its events:
+        counted events without an index get the request's next one here.)"""
+        batches: defaultdict[str, list[tuple[str, ReplyEvent]]] = defaultdict(list)
         for handle, event in items:
-            gateway = self.bus.gateways.get(handle.gateway_id)
-            if gateway is not None:
-                gateway.receive(handle.request_id, encode(event))
+            if event.index == CONTROL_INDEX and event.kind is not EventKind.ACCEPTED:
+                event.index = self._counts[handle.request_id]
+                self._counts[handle.request_id] += 1
+            batches[handle.gateway_id].append((handle.request_id, event))
             if event.finished:
                 self.bus.unacked.pop(handle.entry_id, None)
+                self._counts.pop(handle.request_id, None)
+        for gateway_id, events in batches.items():
+            if (gateway := self.bus.gateways.get(gateway_id)) is not None:
+                gateway.receive(encode_batch(ReplyBatch(self.engine_id, events[0][1].incarnation, events)))
 
     async def ack(self, entry_id: bytes) -> None:
         self.bus.unacked.pop(entry_id, None)
