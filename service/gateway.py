@@ -341,6 +341,9 @@ class _Run:
         except ClientGone:
             self.client_gone = True
             return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+        except asyncio.CancelledError:  # aiohttp cancels a handler whose client hung up (or at shutdown)
+            self.client_gone = True
+            raise
         finally:
             self.close()
 
