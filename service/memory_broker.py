@@ -70,8 +70,7 @@ class MemoryGatewayBroker(ReplyRouter):
         self._watcher = supervised("engine-watch", self._watch, self.poll_s)
 
     async def close(self) -> None:
-        self._watcher.cancel()
-        await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._stop(self._watcher, self.poll_s + 1)
         await self._stop_background()
         self.bus.gateways.pop(self.gateway_id, None)
 

@@ -27,6 +27,7 @@ _ABORTS_MAXLEN = 10_000
 _MAX_SUBMIT_BATCH = 256  # submissions per pipeline
 _COMMAND_RETRIES = 2  # every command of the gateway's client may run twice (see _flush_submits)
 _ERRORS = (RedisError, OSError)
+_COMMAND_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -49,7 +50,6 @@ class RedisGatewayBroker(ReplyRouter):
         self._submits: list[_Submit] = []
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
-        self._closing = False
 
     async def start(self) -> None:
         # Submissions may be retried: the StreamRecord is SET NX and a worker runs a request id once
@@ -65,15 +65,11 @@ class RedisGatewayBroker(ReplyRouter):
     async def close(self) -> None:
         # The reader's blocking XREAD is woken, not cancelled: a read cancelled mid-flight can leave
         # redis-py's connection teardown waiting forever.
-        self._closing = True
         reader, watcher = self._tasks
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        await self._stop(watcher, self.poll_s + _COMMAND_TIMEOUT_S)
         await self._stop_background()
         await self._wake_reader()
-        _, late = await asyncio.wait([reader], timeout=self.config.redis.block_ms / 1000 + 5)
-        for task in late:  # Redis hung: give up on the read rather than on shutting down
-            task.cancel()
+        await self._stop(reader, self.config.redis.block_ms / 1000 + _COMMAND_TIMEOUT_S)
         try:
             await self._client.delete(self._keys.gateway(self.gateway_id))
             await self._client.srem(self._keys.gateways, self.gateway_id)
@@ -193,7 +189,7 @@ class RedisGatewayBroker(ReplyRouter):
 
     # ---- reading ----------------------------------------------------------
     async def _read_replies(self) -> None:
-        while not self._closing:
+        while not self._closing.is_set():
             try:
                 response = await self._blocking.xread(dict(self._cursors), block=self.config.redis.block_ms)
             except _ERRORS as exc:

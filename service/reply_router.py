@@ -37,6 +37,7 @@ class ReplyRouter:
         self._read_failures = 0
         self._bad_beats: set[str] = set()  # engines whose beat did not decode, logged once
         self._background: set[asyncio.Task] = set()  # aborts in flight, kept alive here
+        self._closing = asyncio.Event()
 
     @property
     def num_pending(self) -> int:
@@ -161,10 +162,22 @@ class ReplyRouter:
         return beat
 
     async def _watch(self) -> None:
-        while True:
+        while not self._closing.is_set():
             await self._refresh_engines()
             self._check_deadlines(time.monotonic())
-            await asyncio.sleep(self.poll_s)
+            try:
+                await asyncio.wait_for(self._closing.wait(), self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _stop(self, task: asyncio.Task, timeout_s: float) -> None:
+        """Ends a loop that watches ``_closing``; cancelled only when it is late (a redis-py command
+        cancelled mid-flight can leave its connection's teardown hanging)."""
+        self._closing.set()
+        _, late = await asyncio.wait([task], timeout=timeout_s)
+        for hung in late:
+            hung.cancel()
+            await asyncio.gather(hung, return_exceptions=True)
 
     def _check_deadlines(self, now: float) -> None:
         """A request nobody accepted in time, or whose engine died and nobody resumed, ends with a 503."""
