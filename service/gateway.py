@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
-from service.broker_api import BrokerUnavailable, GatewayBroker
+from service.broker_api import BrokerUnavailable, GatewayBroker, Resumed
 from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, StreamRecord, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
@@ -229,24 +229,28 @@ class Gateway:
             resumed = await self.broker.resume(request_id)
         except BrokerUnavailable as exc:
             raise unavailable(str(exc), self.config.retry_after_s) from exc
-        if resumed is not None and not hmac.compare_digest(resumed.record.tenant, self._tenant(http)):
+        if resumed is not None and not hmac.compare_digest(resumed.record.tenant.encode(), self._tenant(http).encode()):
             self.broker.release(request_id)
             resumed = None  # another key's stream: as unknown as one that never existed
         if resumed is None:
             raise APIError(404, f"stream {request_id!r} is unknown or past the retention window",
                            code="stream_not_found")
-        record = resumed.record
         try:
-            req = (parse_chat if request_id.startswith("chatcmpl-") else parse_completion)(
-                parse_json(record.body), self.config)
-        except APIError:
+            run = self._resumed_run(http, resumed, seen, start)
+        except BaseException:
             self.broker.release(request_id)
             raise
-        req.stream = True
-        assembler = self._assembler(req, record.prompt_token_ids)
-        run = _Run(self, http, req, request_id, record.prompt_token_ids, assembler, resumed.queue, start,
-                   record.created, skip_through=seen)
         return await run.serve()
+
+    def _resumed_run(self, http: web.Request, resumed: Resumed, seen: int, start: float) -> _Run:
+        """The stored body parsed again: the same n, stop strings and formats make the same events."""
+        record = resumed.record
+        parse = parse_chat if record.request_id.startswith("chatcmpl-") else parse_completion
+        req = parse(parse_json(record.body), self.config)
+        req.stream = True
+        return _Run(self, http, req, record.request_id, record.prompt_token_ids,
+                    self._assembler(req, record.prompt_token_ids), resumed.queue, start, record.created,
+                    skip_through=seen)
 
     def _tenant(self, http: web.Request) -> str:
         """Whose stream it is: an HMAC of the API key, the same on every gateway (never the key itself)."""
