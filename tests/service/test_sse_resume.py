@@ -30,9 +30,10 @@ def headers(key: str = API_KEY, last: str | None = None) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def deployment(redis_url: str, tokenizer, step_s: float = 0.02) -> AsyncIterator[tuple[TestClient, ...]]:
+async def deployment(redis_url: str, tokenizer, step_s: float = 0.02,
+                     grace_s: float = 10.0) -> AsyncIterator[tuple[TestClient, ...]]:
     redis = RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=100)
-    config = GatewayConfig(redis=redis, engine_poll_s=0.05, api_keys=(API_KEY, OTHER_KEY))
+    config = GatewayConfig(redis=redis, engine_poll_s=0.05, api_keys=(API_KEY, OTHER_KEY), reconnect_grace_s=grace_s)
     client = connect(redis)
     worker = FakeV5Worker(RedisTransport(client, redis.prefix), step_s=step_s)
     task = asyncio.create_task(worker.run())
@@ -101,7 +102,7 @@ async def test_resume_after_the_end_replays_and_a_post_with_last_event_id_resume
 
 
 async def test_another_tenant_and_an_unknown_id_get_404(redis_url, tokenizer) -> None:
-    async with deployment(redis_url, tokenizer, step_s=0.005) as (a, b, _, _):
+    async with deployment(redis_url, tokenizer, step_s=0.005) as (a, b, _, gateways):
         whole = frames(await (await a.post("/v1/completions", json=BODY, headers=headers())).read())
         request_id = whole[0][0].rsplit(":", 1)[0]
         stranger = await b.get(f"/v1/streams/{request_id}", headers=headers(OTHER_KEY))
@@ -112,3 +113,19 @@ async def test_another_tenant_and_an_unknown_id_get_404(redis_url, tokenizer) ->
             assert response.status == 404 and error["code"] == "stream_not_found"
             assert "retention window" in error["message"]
         assert bad.status == 400
+        assert all(g.broker.num_subscriptions == 0 for g in gateways)  # the refused resumes left nothing
+
+
+async def test_a_stream_nobody_resumes_is_aborted_after_the_grace(redis_url, tokenizer) -> None:
+    async with deployment(redis_url, tokenizer, grace_s=0.3) as (a, b, worker, gateways):
+        first = await a.post("/v1/completions", json={**BODY, "max_tokens": 400}, headers=headers())
+        request_id = frames(await first.content.readuntil(b"\n\n"))[0][0].rsplit(":", 1)[0]
+        first.close()
+        for _ in range(100):
+            if request_id in worker.aborted:
+                break
+            await asyncio.sleep(0.05)
+        assert request_id in worker.aborted
+        late = await b.get(f"/v1/streams/{request_id}", headers=headers())
+        assert late.status == 404  # aborted: its record is gone, never a stream that does not move
+        assert all(g.broker.num_subscriptions == 0 for g in gateways)
