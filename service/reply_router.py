@@ -113,8 +113,9 @@ class ReplyRouter:
 
     def _apply(self, request_id: str, sub: Subscription, event: ReplyEvent) -> None:
         if event.index == CONTROL_INDEX:
-            if event.kind is EventKind.ACCEPTED:
+            if event.kind is EventKind.ACCEPTED:  # passed on too: its handler learns an engine took it
                 sub.owner, sub.lost_since = (event.engine_id, event.incarnation), None
+                sub.queue.put_nowait(event)
         elif event.index < sub.expected:
             pass  # a duplicate: a retried publish, or a dead engine's late event
         elif event.index > sub.expected:
