@@ -89,6 +89,7 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             await asyncio.shield(item.done)
         except asyncio.CancelledError:  # the client left; the entry may be queued all the same
+            item.done.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen: no warning
             self.abort_later(msg.request_id)
             raise
         except BrokerUnavailable:
@@ -145,6 +146,8 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             ids = [i.decode() for i in await self._client.smembers(self._keys.gateways)]
             beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
+            if gone := [i for i, b in zip(ids, beats) if b is None]:
+                await self._client.srem(self._keys.gateways, *gone)
         except _ERRORS:
             return False
         return adopted_anywhere(request_id, beats)
