@@ -144,7 +144,8 @@ class RedisGatewayBroker(ReplyRouter):
 
     async def _adopted_elsewhere(self, request_id: str) -> bool:
         try:
-            ids = [i.decode() for i in await self._client.smembers(self._keys.gateways)]
+            # Not this gateway's own beat: it may still list a request released since.
+            ids = [i for m in await self._client.smembers(self._keys.gateways) if (i := m.decode()) != self.gateway_id]
             beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
             if gone := [i for i, b in zip(ids, beats) if b is None]:
                 await self._client.srem(self._keys.gateways, *gone)

@@ -129,3 +129,19 @@ async def test_a_stream_nobody_resumes_is_aborted_after_the_grace(redis_url, tok
         late = await b.get(f"/v1/streams/{request_id}", headers=headers())
         assert late.status == 404  # aborted: its record is gone, never a stream that does not move
         assert all(g.broker.num_subscriptions == 0 for g in gateways)
+
+
+async def test_a_client_bouncing_between_gateways_gets_the_whole_text_once(redis_url, tokenizer) -> None:
+    async with deployment(redis_url, tokenizer, step_s=0.01) as (a, b, worker, gateways):
+        response = await a.post("/v1/chat/completions", json=CHAT, headers=headers())
+        seen: list[tuple[str, str]] = []
+        for http in (b, a, b):  # drop after a few events each time, resume on the other gateway
+            seen += frames(b"".join([await response.content.readuntil(b"\n\n") for _ in range(3)]))
+            response.close()
+            response = await http.post("/v1/chat/completions", json=CHAT, headers=headers(last=seen[-1][0]))
+            assert response.status == 200
+        seen += frames(await response.read())
+        request_id = seen[0][0].rsplit(":", 1)[0]
+        assert [i for i, _ in seen] == [f"{request_id}:{n}" for n in range(len(seen))]
+        assert text(seen, chat=True) == expected_text(MAX_TOKENS) and request_id not in worker.aborted
+        assert all(g.broker.num_subscriptions == 0 and not g.broker._adopted for g in gateways)
