@@ -16,16 +16,16 @@ from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, SchemaError, StreamRecord, decode, encode
 from service.redis_keys import Keys
-from service.reply_router import ReplyRouter, adopted_anywhere
+from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
 
-UNFINISHED_TTL_S = 24 * 3600  # bounds a StreamRecord whose request no engine finished
+_UNFINISHED_TTL_S = 24 * 3600  # bounds a StreamRecord whose request no engine finished
 _ABORTS_MAXLEN = 10_000
 _MAX_SUBMIT_BATCH = 256  # submissions per pipeline
-_COMMAND_RETRIES = 2  # every command of the gateway's client may run twice (see _flush_submits)
+_COMMAND_RETRIES = 2  # a command may run 3 times: each is idempotent, or harmless twice (see start)
 _ERRORS = (RedisError, OSError)
 _COMMAND_TIMEOUT_S = 5.0
 
@@ -104,7 +104,7 @@ class RedisGatewayBroker(ReplyRouter):
             batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
             pipe = self._client.pipeline(transaction=False)
             for item in batch:
-                pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+                pipe.set(self._keys.request(item.request_id), item.record, ex=_UNFINISHED_TTL_S, nx=True)
                 pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
             try:
                 await pipe.execute()
@@ -151,7 +151,7 @@ class RedisGatewayBroker(ReplyRouter):
                 await self._client.srem(self._keys.gateways, *gone)
         except _ERRORS:
             return False
-        return adopted_anywhere(request_id, beats)
+        return _adopted_anywhere(request_id, beats)
 
     # ---- resume -----------------------------------------------------------
     async def resume(self, request_id: str) -> Resumed | None:
@@ -213,7 +213,7 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.xadd(self._out, {"w": b""})
-            pipe.expire(self._out, UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
+            pipe.expire(self._out, _UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
             await pipe.execute()
         except _ERRORS:
             pass  # then the read returns within block_ms, or fails
@@ -266,3 +266,16 @@ def _owner(consumer: bytes | None) -> tuple[str, str] | None:
         return None
     engine_id, _, incarnation = consumer.decode().rpartition("/")
     return (engine_id, incarnation)
+
+
+def _adopted_anywhere(request_id: str, beats: list[bytes | None]) -> bool:
+    """Whether a live gateway's beat lists ``request_id`` as adopted (its client resumed there)."""
+    for payload in beats:
+        if payload is None:
+            continue
+        try:
+            if request_id in decode(GatewayBeat, payload).adopted:
+                return True
+        except SchemaError:
+            continue
+    return False

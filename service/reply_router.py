@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import GatewayConfig
-from service.messages import (CONTROL_INDEX, EventKind, GatewayBeat, Heartbeat, ReplyBatch, ReplyEvent,
-                              SchemaError, decode, decode_batch)
+from service.messages import (CONTROL_INDEX, EventKind, Heartbeat, ReplyBatch, ReplyEvent, SchemaError, decode,
+                              decode_batch)
 
 log = logging.getLogger(__name__)
 
@@ -209,15 +209,3 @@ class ReplyRouter:
             return f"no engine has been available for {waited}"
         return f"engine {owner[0]} stopped responding and no engine resumed the request within {waited}"
 
-
-def adopted_anywhere(request_id: str, beats: list[bytes | None]) -> bool:
-    """Whether a live gateway's beat lists ``request_id`` as adopted (its client resumed there)."""
-    for payload in beats:
-        if payload is None:
-            continue
-        try:
-            if request_id in decode(GatewayBeat, payload).adopted:
-                return True
-        except SchemaError:
-            continue
-    return False
