@@ -63,6 +63,7 @@ async def test_engine_error_reaches_the_client(client_and_bus) -> None:
     assert plain.headers["X-Request-Id"] in message
     assert events[-1] == "[DONE]" and '"error"' in events[-2] and "request id cmpl-" in events[-2]
     assert "kaboom" not in events[-2]
+    assert all(g.num_subscriptions == 0 for g in bus.gateways.values())  # the error path leaves nothing
 
 
 async def test_client_disconnect_aborts_and_frees_blocks(client_and_bus, demo_engine) -> None:

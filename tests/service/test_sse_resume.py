@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from service.broker import connect
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
+from service.openapi import openapi_document
 from service.redis_gateway import RedisGatewayBroker
 from tests.service.conftest import API_KEY, MODEL_NAME
 from tests.service.fake_v5_worker import FakeV5Worker, RedisTransport, expected_text
@@ -145,3 +146,12 @@ async def test_a_client_bouncing_between_gateways_gets_the_whole_text_once(redis
         assert [i for i, _ in seen] == [f"{request_id}:{n}" for n in range(len(seen))]
         assert text(seen, chat=True) == expected_text(MAX_TOKENS) and request_id not in worker.aborted
         assert all(g.broker.num_subscriptions == 0 and not g.broker._adopted for g in gateways)
+
+
+def test_the_openapi_document_describes_resuming() -> None:
+    paths = openapi_document(MODEL_NAME)["paths"]
+    resume = paths["/v1/streams/{request_id}"]["get"]
+    assert {p["name"] for p in resume["parameters"]} == {"request_id", "Last-Event-ID"}
+    assert "stream_not_found" in resume["responses"]["404"]["description"]
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        assert [p["name"] for p in paths[route]["post"]["parameters"]] == ["Last-Event-ID"]
