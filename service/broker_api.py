@@ -1,8 +1,9 @@
 """The broker as the gateway and the worker see it, whatever carries the messages.
 
-Two implementations keep the same rules: ``service.broker`` (Redis streams, for
-deployments) and ``service.memory_broker`` (one process, for unit tests). Their
-gateway sides share ``ReplyRouter``, the bookkeeping that does not depend on transport.
+Two implementations keep the same rules: Redis streams, for deployments
+(``service.redis_gateway``, the worker's side in ``service.broker``), and
+``service.memory_broker`` (one process, for unit tests). Their gateway sides share
+``service.reply_router.ReplyRouter``, the bookkeeping that does not depend on transport.
 
 - A worker takes new requests only when it polls with room (pull-based balancing).
 - Each request's replies reach its gateway in the order the worker published them.
@@ -12,6 +13,11 @@ gateway sides share ``ReplyRouter``, the bookkeeping that does not depend on tra
   engine's unfinished requests are resumed by a live one (Redis only: one process never dies alone).
 - Gateways know the live engines from their heartbeats, and fail a request whose
   engine stopped beating (or every queued request once no engine is left).
+- Each request's counted events reach its gateway once and in index order (duplicates
+  dropped, a gap ends the request with an error).
+- Gateways know the live engines from their heartbeats; a request whose engine stopped
+  beating waits ``resume_deadline_s`` for another engine to resume it, one nobody
+  accepted ``accept_deadline_s``, then it fails with a 503.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.messages import EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, decode
+from service.messages import EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode
 from service.transcript import Transcript
 
 
@@ -53,6 +59,14 @@ def read_request(entry_id: bytes, payload: bytes) -> Pulled:
     return Pulled(RequestHandle(msg.request_id, msg.gateway_id, entry_id), msg)
 
 
+@dataclass(slots=True)
+class Resumed:
+    """A request a client resumes: what was submitted, and every counted event from index 0 on."""
+
+    record: StreamRecord
+    queue: asyncio.Queue[ReplyEvent]
+
+
 class GatewayBroker(Protocol):
     """A gateway's side: submit, abort, the replies of its requests, the live engines."""
 
@@ -64,8 +78,11 @@ class GatewayBroker(Protocol):
     def num_pending(self) -> int: ...
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]: ...
+    async def submit(self, msg: RequestMsg, record: StreamRecord) -> asyncio.Queue[ReplyEvent]: ...
     async def abort(self, request_id: str) -> None: ...
+    def abort_later(self, request_id: str) -> None: ...
+    def detach(self, request_id: str) -> None: ...
+    async def resume(self, request_id: str) -> Resumed | None: ...
     def release(self, request_id: str) -> None: ...
 
 
@@ -88,69 +105,3 @@ class WorkerBroker(Protocol):
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]: ...
     async def gateways(self) -> dict[str, GatewayBeat]: ...
     async def heartbeat(self, beat: Heartbeat) -> None: ...
-
-
-@dataclass(slots=True)
-class _Subscription:
-    queue: asyncio.Queue[ReplyEvent]
-    owner: tuple[str, str] | None = None  # (engine id, incarnation) once an engine accepted the request
-    last_id: bytes = b"0-0"  # the last reply entry read, where a stream-reading broker resumes
-
-
-class ReplyRouter:
-    """The gateway side's bookkeeping, the same over any transport: a reply queue per
-    request, its owning engine, the live engines, and failing requests left without one."""
-
-    def __init__(self, poll_s: float) -> None:
-        self.poll_s = poll_s
-        self.engines: dict[str, Heartbeat] = {}
-        self.reachable = False
-        self._subs: dict[str, _Subscription] = {}
-
-    @property
-    def num_pending(self) -> int:
-        """Requests submitted here that no engine has taken yet."""
-        return sum(1 for s in self._subs.values() if s.owner is None)
-
-    def release(self, request_id: str) -> None:
-        self._subs.pop(request_id, None)
-
-    def _open(self, request_id: str) -> asyncio.Queue[ReplyEvent]:
-        self._subs[request_id] = _Subscription(asyncio.Queue())
-        return self._subs[request_id].queue
-
-    def _deliver(self, sub: _Subscription, payload: bytes) -> None:
-        try:
-            event = decode(ReplyEvent, payload)
-        except SchemaError as exc:
-            event = ReplyEvent(EventKind.ERROR, "", finished=True, error=f"bad reply from engine: {exc}")
-        if event.kind is EventKind.ACCEPTED:
-            sub.owner = (event.engine_id, event.incarnation)
-        sub.queue.put_nowait(event)
-
-    async def _refresh_engines(self) -> None:
-        raise NotImplementedError
-
-    async def _watch_engines(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            await self._refresh_engines()
-            self._fail_orphans()
-
-    def _fail_orphans(self) -> None:
-        """Ends requests whose engine stopped beating (or all, when none is left)."""
-        for request_id, sub in list(self._subs.items()):
-            if self._owner_alive(sub.owner):
-                continue
-            engine_id = sub.owner[0] if sub.owner else ""
-            reason = f"engine {engine_id} stopped responding" if engine_id else "no engine is available"
-            if not self.reachable:
-                reason = "the broker (Redis) is unreachable"
-            sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, engine_id, finished=True, error=reason, status=503))
-            self._subs.pop(request_id)
-
-    def _owner_alive(self, owner: tuple[str, str] | None) -> bool:
-        if owner is None:  # still queued: fine while any engine may take it
-            return bool(self.engines)
-        beat = self.engines.get(owner[0])
-        return beat is not None and beat.incarnation == owner[1]

@@ -110,14 +110,14 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 
     from engine.demo_model import ensure_demo_model
     from engine.models.config import context_length
-    from service.broker import RedisGatewayBroker
+    from service.redis_gateway import RedisGatewayBroker
     from service.gateway import Gateway
     from service.tokenization import load_tokenizer
 
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)
     gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path),
-                      RedisGatewayBroker(config.redis, config.engine_poll_s))
+                      RedisGatewayBroker(config))
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

@@ -87,7 +87,22 @@ class GatewayConfig:
     max_stop_string_len: int = spec(256, low=1, help="longest stop string accepted, in characters")
     max_logprobs: int = spec(20, help="largest logprobs / top_logprobs accepted")
     engine_poll_s: float = spec(0.5, flag="--engine-poll", help="seconds between reads of the engines' heartbeats")
-    retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429")
+    retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429 or a 503")
+    # A Redis blip must not fail every healthy stream: only this many failed reads in a row do.
+    engine_read_failures: int = spec(3, low=1, help="consecutive failed heartbeat reads before the engines "
+                                                    "are taken for gone")
+    gateway_ttl_s: float = spec(5.0, low=0, low_open=True, flag="--gateway-ttl",
+                                help="seconds this gateway's heartbeat outlives it (engines then abort its "
+                                     "requests, after their orphan grace)")
+    # An engine that dies is replaced by a resumer, which says so with a new ACCEPTED.
+    resume_deadline_s: float = spec(15.0, low=0, flag="--resume-deadline",
+                                    help="seconds a request waits for another engine to resume it once its "
+                                         "engine (or every engine, or Redis) is gone, before a 503")
+    accept_deadline_s: float = spec(60.0, low=0, low_open=True, flag="--accept-deadline",
+                                    help="seconds a request waits for an engine to take it before a 503")
+    reconnect_grace_s: float = spec(10.0, low=0, flag="--reconnect-grace",
+                                    help="seconds a stream whose client hung up keeps running for the client "
+                                         "to resume it (Last-Event-ID) before it is aborted")
     tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates, tokenize prompts and "
                                                  "detokenize outputs, off the event loop (more than one needs a "
                                                  "tokenizer safe to share)")

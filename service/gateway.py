@@ -21,9 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
-from service.broker_api import BrokerUnavailable, GatewayBroker
+from service.broker_api import BrokerUnavailable, GatewayBroker, Resumed
 from service.config import GatewayConfig
-from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
+from service.messages import EventKind, ReplyEvent, RequestMsg, StreamRecord, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
 from service.openapi import openapi_document
 from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion, parse_json
@@ -36,6 +36,9 @@ T = TypeVar("T")
 # Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
 _PUBLIC_PATHS = {"/health", "/ready"}
 _API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
+# Keys the tenant HMAC stored with each stream (StreamRecord.tenant): the same on every gateway, so any of
+# them can check a resuming client; API keys are long random secrets, so the digest does not reveal them.
+_TENANT_KEY = b"pagedserve stream tenant"
 
 
 class ClientGone(Exception):
@@ -57,13 +60,13 @@ class Gateway:
         # Tokenizing a long prompt takes milliseconds, detokenizing a busy server's streams as much: neither
         # runs on the event loop, which must keep answering.
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-        self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive here
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._cors, self._errors, self._auth])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/streams/{request_id}", self.resume_stream)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -173,14 +176,23 @@ class Gateway:
 
     # ---- generation -------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        start = time.perf_counter()
-        return await self._generate(request, parse_chat(parse_json(await request.read()), self.config), start)
+        return await self._post(request, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        start = time.perf_counter()
-        return await self._generate(request, parse_completion(parse_json(await request.read()), self.config), start)
+        return await self._post(request, chat=False)
 
-    async def _generate(self, http: web.Request, req: GenerationRequest, start: float) -> web.StreamResponse:
+    async def _post(self, http: web.Request, chat: bool) -> web.StreamResponse:
+        start = time.perf_counter()
+        if (last := http.headers.get("Last-Event-ID")) is not None:
+            # A client library re-sending its POST on reconnect: the rest of that stream, not a new run.
+            request_id, seen = parse_event_id(last)
+            return await self._resume(http, request_id, seen, start)
+        body = await http.read()
+        req = (parse_chat if chat else parse_completion)(parse_json(body), self.config)
+        return await self._generate(http, req, body, start)
+
+    async def _generate(self, http: web.Request, req: GenerationRequest, body: bytes,
+                        start: float) -> web.StreamResponse:
         if req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
@@ -189,19 +201,60 @@ class Gateway:
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, time.time(),
+        now = time.time()
+        msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, now,
                          self.model_name, self._cache_salt(http, req.cache_salt))
+        record = StreamRecord(request_id, self.gateway_id, body, prompt_ids, int(now), int(now * 1000),
+                              self._tenant(http))
         try:
-            queue = await self.broker.submit(msg)
+            queue = await self.broker.submit(msg, record)
         except BrokerUnavailable as exc:
-            raise APIError(503, str(exc), code="service_unavailable") from exc
-        run = _Run(self, http, req, request_id, prompt_ids, assembler, queue, start)
+            raise unavailable(str(exc), self.config.retry_after_s) from exc
+        return await _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created).serve()
+
+    # ---- resume (SSE Last-Event-ID) ----------------------------------------
+    async def resume_stream(self, http: web.Request) -> web.StreamResponse:
+        request_id = http.match_info["request_id"]
+        seen = -1
+        if (last := http.headers.get("Last-Event-ID")) is not None:
+            last_id, seen = parse_event_id(last)
+            if last_id != request_id:
+                raise APIError(400, "Last-Event-ID names another request", code="invalid_last_event_id")
+        return await self._resume(http, request_id, seen, time.perf_counter())
+
+    async def _resume(self, http: web.Request, request_id: str, seen: int, start: float) -> web.StreamResponse:
+        """Replays the stream through a fresh assembler (the same events make the same SSE events), sends
+        those after ``seen``, then continues live."""
         try:
-            return await (run.stream() if req.stream else run.complete())
-        except ClientGone:
-            return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
-        finally:
-            run.close()
+            resumed = await self.broker.resume(request_id)
+        except BrokerUnavailable as exc:
+            raise unavailable(str(exc), self.config.retry_after_s) from exc
+        if resumed is not None and not hmac.compare_digest(resumed.record.tenant.encode(), self._tenant(http).encode()):
+            self.broker.release(request_id)
+            resumed = None  # another key's stream: as unknown as one that never existed
+        if resumed is None:
+            raise APIError(404, f"stream {request_id!r} is unknown or past the retention window",
+                           code="stream_not_found")
+        try:
+            run = self._resumed_run(http, resumed, seen, start)
+        except BaseException:
+            self.broker.release(request_id)
+            raise
+        return await run.serve()
+
+    def _resumed_run(self, http: web.Request, resumed: Resumed, seen: int, start: float) -> _Run:
+        """The stored body parsed again: the same n, stop strings and formats make the same events."""
+        record = resumed.record
+        parse = parse_chat if record.request_id.startswith("chatcmpl-") else parse_completion
+        req = parse(parse_json(record.body), self.config)
+        req.stream = True
+        return _Run(self, http, req, record.request_id, record.prompt_token_ids,
+                    self._assembler(req, record.prompt_token_ids), resumed.queue, start, record.created,
+                    skip_through=seen)
+
+    def _tenant(self, http: web.Request) -> str:
+        """Whose stream it is: an HMAC of the API key, the same on every gateway (never the key itself)."""
+        return hmac.new(_TENANT_KEY, http.get(_API_KEY, "").encode(), hashlib.sha256).hexdigest()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizer threads (one tokenizer, so never two calls at once by default)."""
@@ -226,8 +279,11 @@ class Gateway:
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
         ids = self._tokenize(req)
-        return ids, OutputAssembler(self.tokenizer, ids, req.params.n, req.stop, req.include_stop_str_in_output,
-                                    req.skip_special_tokens)
+        return ids, self._assembler(req, ids)
+
+    def _assembler(self, req: GenerationRequest, prompt_ids: list[int]) -> OutputAssembler:
+        return OutputAssembler(self.tokenizer, prompt_ids, req.params.n, req.stop, req.include_stop_str_in_output,
+                               req.skip_special_tokens)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         try:
@@ -249,16 +305,14 @@ class Gateway:
     def _check_capacity(self) -> None:
         problem = self._unavailable_reason()
         if problem:
-            raise APIError(503, problem, code="service_unavailable")
+            raise unavailable(problem, self.config.retry_after_s)
         if self.broker.num_pending >= self.config.max_pending_requests:
             raise APIError(429, f"the request queue is full ({self.config.max_pending_requests} waiting); "
                                 "retry later", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
     def abort_later(self, request_id: str) -> None:
-        task = asyncio.create_task(self.broker.abort(request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.broker.abort_later(request_id)
 
 
 # A choice's update with its logprobs in the endpoint's shape (None when not asked for or none came).
@@ -266,26 +320,44 @@ Update = tuple[ChoiceUpdate, dict[str, Any] | None]
 
 
 class _Run:
-    """One request in flight: turns reply events into an HTTP response."""
+    """One request in flight: turns reply events into an HTTP response. A resumed one (``skip_through``
+    set) gets every event from the first and sends the SSE events after ``skip_through``."""
 
     def __init__(self, gateway: Gateway, http: web.Request, req: GenerationRequest, request_id: str,
                  prompt_ids: list[int], assembler: OutputAssembler, queue: asyncio.Queue[ReplyEvent],
-                 start: float) -> None:
+                 start: float, created: int, skip_through: int | None = None) -> None:
         self.gw, self.http, self.req, self.request_id = gateway, http, req, request_id
         self.prompt_ids = prompt_ids
         self.queue = queue
         self.assembler = assembler
         self.logprobs = responses.LogprobFormatter(gateway.tokenizer, req.params.logprobs or 0)
-        self.created = int(time.time())
+        self.created = created
+        self.skip_through = skip_through
         self.start = start  # when the HTTP request arrived: TTFT includes validation and tokenizing
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
         self.engine_done = False
+        self.client_gone = False
+
+    async def serve(self) -> web.StreamResponse:
+        try:
+            return await (self.stream() if self.req.stream else self.complete())
+        except ClientGone:
+            self.client_gone = True
+            return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+        except asyncio.CancelledError:  # aiohttp cancels a handler whose client hung up (or at shutdown)
+            self.client_gone = True
+            raise
+        finally:
+            self.close()
 
     def close(self) -> None:
-        """Frees the engine's blocks unless the engine already finished the request."""
+        """Every end publishes the abort, unless the engine already ended the request; a stream whose
+        client hung up is left running a while for the client to resume it."""
         if self.engine_done:
             self.gw.broker.release(self.request_id)
+        elif self.client_gone and self.req.stream:
+            self.gw.broker.detach(self.request_id)
         else:
             self.gw.abort_later(self.request_id)
 
@@ -306,7 +378,7 @@ class _Run:
                     self.engine_done = True
                 yield updates
             if events[-1].kind is EventKind.ERROR and not self.assembler.finished:
-                self.engine_done = True
+                self.engine_done = bool(events[-1].engine_id)  # "": the gateway's own (a deadline, a gap)
                 raise self._engine_error(events[-1])
         self._record_finish()
 
@@ -334,6 +406,8 @@ class _Run:
         if event.status == 500:  # a fault of the engine: its text stays in the logs
             return internal_error(f"engine {event.engine_id} failed {self.request_id}: {event.error}",
                                   self.request_id, code="engine_error", with_traceback=False)
+        if event.status == 503:
+            return unavailable(event.error or "no engine could serve this request", self.gw.config.retry_after_s)
         return APIError(event.status, event.error or "the engine failed this request",
                         code="engine_error" if event.status >= 500 else None)
 
@@ -348,7 +422,7 @@ class _Run:
 
     def _observe(self, event: ReplyEvent) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
-        if not any(c.token_ids for c in event.choices):
+        if self.skip_through is not None or not any(c.token_ids for c in event.choices):  # a replay: no latency
             return
         now = time.perf_counter()
         if self.last_token_time is None:
@@ -390,7 +464,8 @@ class _Run:
     async def stream(self) -> web.StreamResponse:
         # Validation is done and the request is queued, so the 200 can go out now.
         sse = _SSEWriter(web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}))
+                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}),
+                         self.request_id, -1 if self.skip_through is None else self.skip_through)
         await sse.response.prepare(self.http)
         try:
             if self.req.chat:
@@ -406,6 +481,7 @@ class _Run:
         except APIError as exc:
             await sse.send(exc.body())
         except (ClientGone, ConnectionResetError):
+            self.client_gone = True
             return sse.response
         except Exception:  # the 200 is out: the error can only be the stream's last event
             await sse.send(internal_error(f"stream of {self.request_id} failed", self.request_id).body())
@@ -432,10 +508,13 @@ class _Run:
 
 
 class _SSEWriter:
-    """``id: n`` then ``data: <json>`` per event, ``data: [DONE]`` last."""
+    """``id: <request id>:<k>`` then ``data: <json>`` per event (k counts them from 0), ``data: [DONE]``
+    last; the events up to ``skip_through`` (those a resuming client has) are counted, not sent."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, request_id: str, skip_through: int) -> None:
         self.response = response
+        self.request_id = request_id
+        self.skip_through = skip_through
         self._next_id = 0
 
     async def send(self, body: dict[str, Any]) -> None:
@@ -446,9 +525,23 @@ class _SSEWriter:
         await self.response.write_eof()
 
     async def _write(self, data: str) -> None:
-        frame = f"id: {self._next_id}\ndata: {data}\n\n"
-        self._next_id += 1
-        await self.response.write(frame.encode("utf-8"))
+        k, self._next_id = self._next_id, self._next_id + 1
+        if k > self.skip_through:
+            await self.response.write(f"id: {self.request_id}:{k}\ndata: {data}\n\n".encode("utf-8"))
+
+
+def parse_event_id(value: str) -> tuple[str, int]:
+    """``<request id>:<k>`` (an SSE event id of this server) as its parts."""
+    request_id, _, k = value.strip().rpartition(":")
+    if not request_id or not k.isdigit():
+        raise APIError(400, "Last-Event-ID must be '<request id>:<event number>', as sent in the stream's "
+                            "'id:' fields", code="invalid_last_event_id")
+    return request_id, int(k)
+
+
+def unavailable(message: str, retry_after_s: int) -> APIError:
+    """A 503 worth retrying soon (no engine, Redis unreachable, a deadline passed)."""
+    return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 def internal_error(what: str, request_id: str | None = None, code: str = "internal_error",

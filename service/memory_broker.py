@@ -14,9 +14,12 @@ import time
 import uuid
 from collections import defaultdict, deque
 
-from service.broker_api import Pulled, ReplyRouter, RequestHandle, read_request
-from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, RequestMsg, decode,
-                              decode_batch, encode, encode_batch)
+from service.broker_api import Pulled, RequestHandle, Resumed, read_request
+from service.config import GatewayConfig
+from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, RequestMsg, StreamRecord,
+                              encode, encode_batch)
+from service.reply_router import ReplyRouter
+from service.supervise import supervised
 
 
 class MemoryBus:
@@ -54,8 +57,11 @@ class MemoryBus:
 
 
 class MemoryGatewayBroker(ReplyRouter):
-    def __init__(self, bus: MemoryBus, poll_s: float = 0.5) -> None:
-        super().__init__(poll_s)
+    """Replies arrive as Redis would carry them, one encoded ReplyBatch per engine step (``receive``);
+    nothing is stored for replay, so a client cannot resume here."""
+
+    def __init__(self, bus: MemoryBus, config: GatewayConfig) -> None:
+        super().__init__(config)
         self.bus = bus
         self.gateway_id = uuid.uuid4().hex[:12]
         self._watcher: asyncio.Task | None = None
@@ -63,14 +69,15 @@ class MemoryGatewayBroker(ReplyRouter):
     async def start(self) -> None:
         self.bus.gateways[self.gateway_id] = self
         await self._refresh_engines()
-        self._watcher = asyncio.create_task(self._watch_engines())
+        self._watcher = supervised("engine-watch", self._watch, self.poll_s)
 
     async def close(self) -> None:
-        self._watcher.cancel()
-        await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._stop(self._watcher, self.poll_s + 1)
+        await self._stop_background()
         self.bus.gateways.pop(self.gateway_id, None)
 
-    async def submit(self, msg: RequestMsg) -> asyncio.Queue[ReplyEvent]:
+    async def submit(self, msg: RequestMsg, record: StreamRecord | None = None) -> asyncio.Queue[ReplyEvent]:
+        """(The record is for resuming, which this transport cannot.)"""
         payload = encode(msg)  # first: a message that cannot be encoded leaves nothing pending
         queue = self._open(msg.request_id)
         self.bus.enqueue(msg.model, payload)
@@ -80,15 +87,15 @@ class MemoryGatewayBroker(ReplyRouter):
         self.release(request_id)
         self.bus.aborts.append(request_id)
 
-    def receive(self, payload: bytes) -> None:
-        """One ReplyBatch, as a gateway's out stream carries it."""
-        for request_id, event in decode_batch(payload).events:
-            if (sub := self._subs.get(request_id)) is not None:
-                self._deliver(sub, encode(event))
+    async def resume(self, request_id: str) -> Resumed | None:
+        return None
 
-    async def _refresh_engines(self) -> None:
-        self.engines = {i: decode(Heartbeat, beat) for i, beat in self.bus.live_beats().items()}
-        self.reachable = True
+    def receive(self, payload: bytes) -> None:
+        """One engine step's ReplyBatch for this gateway."""
+        self.route_payload(payload)
+
+    async def _read_beats(self) -> dict[str, bytes] | None:
+        return self.bus.live_beats()
 
 
 class MemoryWorkerBroker:

@@ -59,8 +59,14 @@ _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properti
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}
 _ERROR_STATUSES = {"400": "invalid parameters or prompt too long", "401": "bad or missing API key",
-                   "404": "unknown model", "413": "body too large", "429": "queue full (see Retry-After)",
-                   "503": "Redis or every engine unavailable"}
+                   "404": "unknown model, or (with Last-Event-ID) stream_not_found", "413": "body too large",
+                   "429": "queue full (see Retry-After)",
+                   "503": "Redis or every engine unavailable, or no engine took the request in time (see "
+                          "Retry-After)"}
+# A stream's SSE events carry ``id: <request id>:<k>``; sending the last one seen resumes the stream.
+_LAST_EVENT_ID = {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+                  "description": "'<request id>:<k>' from a stream's 'id:' field: instead of a new run, the "
+                                 "events of that stream after k (on any gateway, while the stream is retained)"}
 
 
 def _generation_op(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -68,9 +74,22 @@ def _generation_op(summary: str, properties: dict[str, Any], required: list[str]
               for code, text in _ERROR_STATUSES.items()}
     ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]'",
           "content": {"application/json": {}, "text/event-stream": {}}}
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"type": "object", "required": required, "properties": properties}}}},
+    return {"post": {"summary": summary, "parameters": [_LAST_EVENT_ID], "requestBody": {
+        "required": True, "content": {"application/json": {
+            "schema": {"type": "object", "required": required, "properties": properties}}}},
         "responses": {"200": ok, **errors}}}
+
+
+def _resume_op() -> dict[str, Any]:
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}} for code, text in (
+        ("400", "malformed Last-Event-ID"), ("401", "bad or missing API key"),
+        ("404", "stream_not_found: unknown, another API key's, or past the retention window"),
+        ("503", "Redis unavailable (see Retry-After)"))}
+    request_id = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {"get": {"summary": "Resume a stream: its SSE events after Last-Event-ID (all without it), then live",
+                    "parameters": [request_id, _LAST_EVENT_ID],
+                    "responses": {"200": {"description": "text/event-stream", "content": {"text/event-stream": {}}},
+                                  **errors}}}
 
 
 def _get_op(summary: str, content_type: str = "application/json") -> dict[str, Any]:
@@ -102,6 +121,7 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
         "paths": {
             "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"]),
             "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"]),
+            "/v1/streams/{request_id}": _resume_op(),
             "/v1/models": _get_op("The served model"),
             "/health": _get_op("Process alive (no API key needed)"),
             "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),

@@ -125,6 +125,6 @@ def tokenizer(demo_model: str):
 async def gateway_client(config: GatewayConfig, tokenizer: Any, bus: MemoryBus,
                          context: int = 2048) -> AsyncIterator[TestClient]:
     """An in-process gateway over the memory broker, with an HTTP test client."""
-    gateway = Gateway(config, tokenizer, MODEL_NAME, context, MemoryGatewayBroker(bus, config.engine_poll_s))
+    gateway = Gateway(config, tokenizer, MODEL_NAME, context, MemoryGatewayBroker(bus, config))
     async with TestClient(TestServer(gateway.app())) as client:
         yield client

@@ -10,8 +10,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from service.broker import RedisGatewayBroker
 from service.redis_worker import RedisWorkerBroker
+from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.local_stack import LocalStack, free_port
@@ -88,7 +88,7 @@ def demo_tokenizer(demo_model: str):
 
 def make_gateway(redis: RedisConfig, tokenizer, **overrides) -> Gateway:
     config = GatewayConfig(redis=redis, engine_poll_s=0.1, **overrides)
-    return Gateway(config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(redis, config.engine_poll_s))
+    return Gateway(config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(config))
 
 
 async def fake_heartbeat(redis: RedisConfig) -> RedisWorkerBroker:

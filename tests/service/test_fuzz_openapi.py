@@ -33,7 +33,7 @@ def serve(tokenizer, port: int, started: threading.Event, stop: asyncio.Event) -
     async def main() -> None:
         bus = MemoryBus()
         config = GatewayConfig(engine_poll_s=0.05, api_keys=(API_KEY,))
-        gateway = Gateway(config, tokenizer, MODEL_NAME, CONTEXT, MemoryGatewayBroker(bus, config.engine_poll_s))
+        gateway = Gateway(config, tokenizer, MODEL_NAME, CONTEXT, MemoryGatewayBroker(bus, config))
         runner = web.AppRunner(gateway.app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -22,7 +22,7 @@ GREEDY = {"model": MODEL_NAME, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture
 async def client_and_bus(tokenizer) -> AsyncIterator[tuple[TestClient, MemoryBus]]:
     bus = MemoryBus()
-    async with gateway_client(GatewayConfig(engine_poll_s=0.05), tokenizer, bus) as client:
+    async with gateway_client(GatewayConfig(engine_poll_s=0.05, resume_deadline_s=0.3), tokenizer, bus) as client:
         yield client, bus
 
 
@@ -63,6 +63,7 @@ async def test_engine_error_reaches_the_client(client_and_bus) -> None:
     assert plain.headers["X-Request-Id"] in message
     assert events[-1] == "[DONE]" and '"error"' in events[-2] and "request id cmpl-" in events[-2]
     assert "kaboom" not in events[-2]
+    assert all(g.num_subscriptions == 0 for g in bus.gateways.values())  # the error path leaves nothing
 
 
 async def test_client_disconnect_aborts_and_frees_blocks(client_and_bus, demo_engine) -> None:
@@ -85,5 +86,5 @@ async def test_request_fails_once_no_engine_beats(client_and_bus) -> None:
                                                                                         2048, engine_stats()))
     await asyncio.wait_for(ready(client), 5)  # alive, but it never pulls: the request stays queued
     response = await client.post("/v1/completions", json={**GREEDY, "prompt": "a", "max_tokens": 2})
-    assert response.status == 503 and "no engine is available" in (await response.json())["error"]["message"]
+    assert response.status == 503 and "no engine has been available" in (await response.json())["error"]["message"]
     assert len(bus.queued[MODEL_NAME]) == 1

@@ -37,7 +37,7 @@ def tokenizer(demo_model: str):
 def make_client(tokenizer, api_keys: tuple[str, ...] = ()) -> tuple[TestClient, MemoryBus, Gateway]:
     bus = MemoryBus()
     config = GatewayConfig(engine_poll_s=0.05, api_keys=api_keys)
-    gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config.engine_poll_s))
+    gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config))
     return TestClient(TestServer(gateway.app())), bus, gateway
 
 
@@ -179,7 +179,7 @@ async def test_tokenizing_never_blocks_the_event_loop(served, monkeypatch) -> No
 
 
 async def test_an_unencodable_message_leaves_nothing_pending() -> None:
-    broker = MemoryGatewayBroker(MemoryBus(), poll_s=0.05)
+    broker = MemoryGatewayBroker(MemoryBus(), GatewayConfig(engine_poll_s=0.05))
     with pytest.raises(OverflowError):
         await broker.submit(RequestMsg("r1", [1], {"top_k": 2**70}, "g", 0.0, "m"))
     assert broker.num_pending == 0

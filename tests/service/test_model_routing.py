@@ -7,11 +7,14 @@ import time
 import uuid
 
 from engine import SamplingParams
-from service.broker import Keys, RedisGatewayBroker
+from service.broker import Keys
 from service.redis_worker import RedisWorkerBroker
 from service.config import RedisConfig, WorkerConfig
+from service.broker import Keys
+from service.redis_gateway import RedisGatewayBroker
+from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
-from service.messages import EventKind, RequestMsg, params_to_wire
+from service.messages import EventKind, RequestMsg, StreamRecord, params_to_wire
 from service.worker import Worker
 from tests.service.conftest import MODEL_NAME, memory_worker, running
 from tests.service.fake_engine import FakeEngine
@@ -31,7 +34,7 @@ def other_worker(bus: MemoryBus, engine: FakeEngine) -> Worker:
 
 async def test_an_engine_never_takes_another_models_requests() -> None:
     bus, other_engine, own_engine = MemoryBus(), FakeEngine(), FakeEngine()
-    gateway = MemoryGatewayBroker(bus, poll_s=0.05)
+    gateway = MemoryGatewayBroker(bus, GatewayConfig(engine_poll_s=0.05))
     await gateway.start()
     try:
         async with running(other_worker(bus, other_engine)):
@@ -47,7 +50,7 @@ async def test_an_engine_never_takes_another_models_requests() -> None:
 
 async def test_a_misrouted_request_is_refused_not_served() -> None:
     bus, engine = MemoryBus(), FakeEngine()
-    gateway = MemoryGatewayBroker(bus, poll_s=0.05)
+    gateway = MemoryGatewayBroker(bus, GatewayConfig(engine_poll_s=0.05))
     await gateway.start()
     try:
         queue = await gateway.submit(request(OTHER, gateway.gateway_id))
@@ -63,7 +66,7 @@ async def test_a_misrouted_request_is_refused_not_served() -> None:
 async def test_each_model_has_its_own_redis_request_stream(redis_url: str) -> None:
     redis = RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=100)
     assert Keys(redis.prefix).requests(MODEL_NAME) != Keys(redis.prefix).requests(OTHER)
-    gateway = RedisGatewayBroker(redis, poll_s=0.1)
+    gateway = RedisGatewayBroker(GatewayConfig(redis=redis, engine_poll_s=0.1))
     own = RedisWorkerBroker(redis, "own", MODEL_NAME, reply_ttl_s=60, heartbeat_ttl_s=30)
     other = RedisWorkerBroker(redis, "other", OTHER, reply_ttl_s=60, heartbeat_ttl_s=30)
     for broker in (gateway, own, other):
@@ -71,7 +74,7 @@ async def test_each_model_has_its_own_redis_request_stream(redis_url: str) -> No
     try:
         assert gateway.reachable
         msg = request(MODEL_NAME, gateway.gateway_id)
-        await gateway.submit(msg)
+        await gateway.submit(msg, StreamRecord(msg.request_id, gateway.gateway_id, b"{}", [1], 0, 0, ""))
         assert (await other.poll(8, block=False))[0] == []
         pulled, _ = await own.poll(8, block=False)
         assert [p.msg.request_id for p in pulled] == [msg.request_id] and pulled[0].msg.model == MODEL_NAME

@@ -18,8 +18,10 @@ import redis
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from service.broker import ACL_COMMANDS, RedisGatewayBroker, acl_rules
+from service.broker import ACL_COMMANDS, acl_rules
 from service.redis_worker import RedisWorkerBroker
+from service.broker import ACL_COMMANDS, acl_rules
+from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.local_stack import free_port
@@ -66,7 +68,7 @@ async def broker_traffic(config: RedisConfig, tokenizer, engine, monkeypatch: py
     worker = Worker(worker_config, engine, MODEL_NAME, RedisWorkerBroker(
         config, worker_config.engine_id, MODEL_NAME, reply_ttl_s=60, heartbeat_ttl_s=2.0))
     gateway_config = GatewayConfig(redis=config, engine_poll_s=0.05)
-    gateway = Gateway(gateway_config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(config, 0.05))
+    gateway = Gateway(gateway_config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(gateway_config))
     async with running(worker), TestClient(TestServer(gateway.app())) as client:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)

@@ -20,7 +20,7 @@ KEYS = ("sk-tenant-a", "sk-tenant-b")
 
 def gateway_client(bus: MemoryBus, tokenizer, secret: str | None) -> TestClient:
     config = GatewayConfig(engine_poll_s=0.05, api_keys=KEYS, prefix_cache_secret=secret)
-    gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config.engine_poll_s))
+    gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config))
     return TestClient(TestServer(gateway.app()))
 
 

@@ -15,7 +15,7 @@ import re
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from service.broker import RedisGatewayBroker
+from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
 from service.local_stack import LocalStack
@@ -40,7 +40,7 @@ async def wait_ready(client: TestClient, engines: int) -> None:
 async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model: str) -> None:
     config = GatewayConfig(redis=RedisConfig(url=stack.redis_url, block_ms=200), engine_poll_s=0.2)
     gateway = Gateway(config, AutoTokenizer.from_pretrained(demo_model), MODEL_NAME, 2048,
-                      RedisGatewayBroker(config.redis, config.engine_poll_s))
+                      RedisGatewayBroker(config))
     try:
         async with TestClient(TestServer(gateway.app())) as client:
             await wait_ready(client, engines=2)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from service.config import GatewayConfig
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.messages import EventKind, ReplyEvent, RequestMsg, params_to_wire
 from tests.service.conftest import MODEL_NAME, memory_worker, running, until
@@ -22,7 +23,7 @@ def bus() -> MemoryBus:
 
 @pytest.fixture
 async def gateway(bus: MemoryBus) -> AsyncIterator[MemoryGatewayBroker]:
-    broker = MemoryGatewayBroker(bus, poll_s=0.05)
+    broker = MemoryGatewayBroker(bus, GatewayConfig(engine_poll_s=0.05))
     await broker.start()
     yield broker
     await broker.close()

@@ -1,0 +1,281 @@
+"""A gateway's side of the Redis broker (key layout in ``service.redis_keys``): submissions batched into
+pipelines, one blocking reader over this gateway's out stream (and the out streams of the gateways whose
+requests clients resumed here), the engines' heartbeats read and this gateway's own written, and the
+replay of a request's replies for an SSE resume."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from service.broker import connect
+from service.broker_api import BrokerUnavailable, Resumed
+from service.config import GatewayConfig
+from service.messages import GatewayBeat, RequestMsg, ReplyEvent, SchemaError, StreamRecord, decode, encode
+from service.redis_keys import Keys
+from service.reply_router import ReplyRouter
+from service.supervise import supervised
+from service.transcript import read_transcript
+
+log = logging.getLogger(__name__)
+
+_UNFINISHED_TTL_S = 24 * 3600  # bounds a StreamRecord whose request no engine finished
+_ABORTS_MAXLEN = 10_000
+_MAX_SUBMIT_BATCH = 256  # submissions per pipeline
+_COMMAND_RETRIES = 2  # a command may run 3 times: each is idempotent, or harmless twice (see start)
+_ERRORS = (RedisError, OSError, RuntimeError)  # uvloop: RuntimeError writing to a reset transport
+_COMMAND_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class _Submit:
+    request_id: str
+    model: str
+    record: bytes
+    payload: bytes
+    done: asyncio.Future[None]
+
+
+class RedisGatewayBroker(ReplyRouter):
+    def __init__(self, config: GatewayConfig) -> None:
+        super().__init__(config)
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self._keys = Keys(config.redis.prefix)
+        self._out = self._keys.out(self.gateway_id)
+        self._cursors: dict[str, bytes] = {}  # out stream -> the last entry read from it
+        self._adopted: dict[str, str] = {}  # request id -> the gateway whose out stream carries it
+        self._submits: list[_Submit] = []
+        self._flusher: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        # Submissions may be retried: the StreamRecord is SET NX and a worker runs a request id once
+        # (owner SET NX), so a retried XADD is harmless. The blocking reader never retries: its
+        # loop does, without re-sending a read that Redis may have answered.
+        self._client = connect(self.config.redis, retries=_COMMAND_RETRIES)
+        self._blocking = connect(self.config.redis, blocking=True)
+        self._cursors[self._out] = await self._last_id(self._out)
+        await self._refresh_engines()
+        self._tasks = [supervised("reply-reader", self._read_replies, self.poll_s),
+                       supervised("engine-watch", self._watch, self.poll_s)]
+
+    async def close(self) -> None:
+        # The reader's blocking XREAD is woken, not cancelled: a read cancelled mid-flight can leave
+        # redis-py's connection teardown waiting forever.
+        reader, watcher = self._tasks
+        await self._stop(watcher, self.poll_s + _COMMAND_TIMEOUT_S)
+        await self._stop_background()
+        await self._wake_reader()
+        await self._stop(reader, self.config.redis.block_ms / 1000 + _COMMAND_TIMEOUT_S)
+        try:
+            await self._client.delete(self._keys.gateway(self.gateway_id))
+            await self._client.srem(self._keys.gateways, self.gateway_id)
+        except _ERRORS:
+            pass
+        await self._client.aclose()
+        await self._blocking.aclose()
+
+    # ---- submit -----------------------------------------------------------
+    async def submit(self, msg: RequestMsg, record: StreamRecord) -> asyncio.Queue[ReplyEvent]:
+        item = _Submit(msg.request_id, msg.model, encode(record), encode(msg),
+                       asyncio.get_running_loop().create_future())
+        queue = self._open(msg.request_id)  # before the XADD: the first replies may come at once
+        self._submits.append(item)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_submits())
+        try:
+            await asyncio.shield(item.done)
+        except asyncio.CancelledError:  # the client left; the entry may be queued all the same
+            item.done.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen: no warning
+            self.abort_later(msg.request_id)
+            raise
+        except BrokerUnavailable:
+            self.release(msg.request_id)
+            raise
+        return queue
+
+    async def _flush_submits(self) -> None:
+        """One pipeline for every submission waiting (the ones that arrive meanwhile go in the next):
+        a burst costs a few round trips and one connection, never a connection each."""
+        while self._submits:
+            batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
+            pipe = self._client.pipeline(transaction=False)
+            for item in batch:
+                pipe.set(self._keys.request(item.request_id), item.record, ex=_UNFINISHED_TTL_S, nx=True)
+                pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+            try:
+                await pipe.execute()
+                error = None
+            except _ERRORS as exc:
+                error = BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}")
+            for item in batch:
+                if error is None:
+                    item.done.set_result(None)
+                else:
+                    item.done.set_exception(error)
+
+    # ---- abort ------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        self.release(request_id)
+        try:
+            await self._client.xadd(self._keys.aborts, {"r": request_id}, maxlen=_ABORTS_MAXLEN, approximate=True)
+        except _ERRORS as exc:  # the workers' orphan rule still ends it once this gateway is gone
+            log.warning("could not publish the abort of %s: %s", request_id, type(exc).__name__)
+
+    def detach(self, request_id: str) -> None:
+        """The client of a running stream hung up: it may resume (here or on another gateway) within
+        the reconnect grace; otherwise the request is aborted and its record dropped (a later resume
+        gets 404, not a stream that never moves)."""
+        self.release(request_id)
+        self._spawn(self._abort_after(request_id, self.config.reconnect_grace_s))
+
+    async def _abort_after(self, request_id: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if request_id in self._subs or await self._adopted_elsewhere(request_id):
+            return  # resumed here, or elsewhere
+        try:
+            await self._client.delete(self._keys.request(request_id))
+        except _ERRORS:
+            pass
+        await self.abort(request_id)
+
+    async def _adopted_elsewhere(self, request_id: str) -> bool:
+        try:
+            # Not this gateway's own beat: it may still list a request released since.
+            ids = [i for m in await self._client.smembers(self._keys.gateways) if (i := m.decode()) != self.gateway_id]
+            beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
+            if gone := [i for i, b in zip(ids, beats) if b is None]:
+                await self._client.srem(self._keys.gateways, *gone)
+        except _ERRORS:
+            return False
+        return _adopted_anywhere(request_id, beats)
+
+    # ---- resume -----------------------------------------------------------
+    async def resume(self, request_id: str) -> Resumed | None:
+        """The request's StreamRecord and a queue that gets every counted event from index 0 (the
+        transcript's, then live ones); None when the record is missing (unknown or expired)."""
+        try:
+            raw, owner = await self._client.mget([self._keys.request(request_id), self._keys.owner(request_id)])
+        except _ERRORS as exc:
+            raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
+        record = _decode_record(raw)
+        if record is None:
+            return None
+        self.release(request_id)  # a client resuming twice on this gateway: the newer wins
+        queue = self._open(request_id, _owner(owner), held=True)
+        try:
+            await self._follow(request_id, record.gateway_id)
+            transcript = await read_transcript(self._client, self._keys, record, from_checkpoint=False)
+        except _ERRORS as exc:
+            self.release(request_id)
+            raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
+        self.replay(request_id, transcript.events)
+        return Resumed(record, queue)
+
+    async def _follow(self, request_id: str, gateway_id: str) -> None:
+        """Reads ``gateway_id``'s out stream from now on (the transcript covers what came before)."""
+        if gateway_id == self.gateway_id:
+            return
+        self._adopted[request_id] = gateway_id
+        key = self._keys.out(gateway_id)
+        if key not in self._cursors:
+            self._cursors[key] = await self._last_id(key)
+            await self._wake_reader()
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        gateway_id = self._adopted.pop(request_id, None)
+        if gateway_id is not None and gateway_id not in self._adopted.values():
+            self._cursors.pop(self._keys.out(gateway_id), None)
+
+    # ---- reading ----------------------------------------------------------
+    async def _read_replies(self) -> None:
+        while not self._closing.is_set():
+            try:
+                response = await self._blocking.xread(dict(self._cursors), block=self.config.redis.block_ms)
+            except _ERRORS as exc:
+                log.warning("reply reader: %s", type(exc).__name__)
+                await asyncio.sleep(self.poll_s)
+                continue
+            for key, entries in response or []:
+                if key.decode() in self._cursors:
+                    self._cursors[key.decode()] = entries[-1][0]
+                for _, fields in entries:
+                    if b"b" in fields:  # a wake-up entry has none
+                        self.route_payload(fields[b"b"])
+
+    async def _wake_reader(self) -> None:
+        """An entry without a batch on this gateway's stream: the blocking read returns and re-reads
+        its key list (a new adopted stream, or closing)."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xadd(self._out, {"w": b""})
+            pipe.expire(self._out, _UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
+            await pipe.execute()
+        except _ERRORS:
+            pass  # then the read returns within block_ms, or fails
+
+    async def _last_id(self, key: str) -> bytes:
+        try:
+            last = await self._client.xrevrange(key, count=1)
+        except _ERRORS:
+            return b"0-0"
+        return last[0][0] if last else b"0-0"
+
+    # ---- heartbeats -------------------------------------------------------
+    async def _read_beats(self) -> dict[str, bytes] | None:
+        await self._beat()
+        try:
+            ids = sorted(i.decode() for i in await self._client.smembers(self._keys.engines))
+            beats = await self._client.mget([self._keys.engine(i) for i in ids]) if ids else []
+            dead = [i for i, b in zip(ids, beats) if b is None]
+            if dead:
+                await self._client.srem(self._keys.engines, *dead)
+        except _ERRORS as exc:
+            log.debug("heartbeat read failed: %s", type(exc).__name__)
+            return None
+        return {i: b for i, b in zip(ids, beats) if b is not None}
+
+    async def _beat(self) -> None:
+        """This gateway is alive, and serves the requests it adopted: engines keep them running."""
+        beat = GatewayBeat(self.gateway_id, sorted(self._adopted))
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._keys.gateway(self.gateway_id), encode(beat), px=int(self.config.gateway_ttl_s * 1000))
+            pipe.sadd(self._keys.gateways, self.gateway_id)
+            await pipe.execute()
+        except _ERRORS as exc:
+            log.debug("gateway heartbeat failed: %s", type(exc).__name__)
+
+
+def _decode_record(payload: bytes | None) -> StreamRecord | None:
+    if payload is None:
+        return None
+    try:
+        return decode(StreamRecord, payload)
+    except SchemaError:
+        return None  # another release's record: resumable by that release only
+
+
+def _owner(consumer: bytes | None) -> tuple[str, str] | None:
+    """``{engine_id}/{incarnation}`` (``redis_keys.consumer_name``) as the owner pair."""
+    if not consumer:
+        return None
+    engine_id, _, incarnation = consumer.decode().rpartition("/")
+    return (engine_id, incarnation)
+
+
+def _adopted_anywhere(request_id: str, beats: list[bytes | None]) -> bool:
+    """Whether a live gateway's beat lists ``request_id`` as adopted (its client resumed there)."""
+    for payload in beats:
+        if payload is None:
+            continue
+        try:
+            if request_id in decode(GatewayBeat, payload).adopted:
+                return True
+        except SchemaError:
+            continue
+    return False

@@ -1,0 +1,211 @@
+"""The gateway side's bookkeeping, the same over any transport (Redis, the memory bus): a reply queue per
+request, fed in index order exactly once from the ReplyBatches the engines publish, the owning engine,
+the live engines, and the deadlines that end a request left without one (never a hang)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from service.config import GatewayConfig
+from service.messages import (CONTROL_INDEX, EventKind, Heartbeat, ReplyBatch, ReplyEvent, SchemaError, decode,
+                              decode_batch)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Subscription:
+    queue: asyncio.Queue[ReplyEvent]
+    since: float  # monotonic: when it was submitted (or adopted by a resume)
+    expected: int = 0  # the index of the next counted event
+    owner: tuple[str, str] | None = None  # (engine id, incarnation) of the last ACCEPTED
+    lost_since: float | None = None  # monotonic: since when no live engine can serve it
+    held: list[ReplyEvent] | None = None  # live events kept back while a resume replays the transcript
+
+
+class ReplyRouter:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.poll_s = config.engine_poll_s
+        self.engines: dict[str, Heartbeat] = {}
+        self.reachable = False
+        self._subs: dict[str, Subscription] = {}
+        self._read_failures = 0
+        self._bad_beats: set[str] = set()  # engines whose beat did not decode, logged once
+        self._background: set[asyncio.Task] = set()  # aborts in flight, kept alive here
+        self._closing = asyncio.Event()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted here that no engine has taken yet."""
+        return sum(1 for s in self._subs.values() if s.owner is None)
+
+    @property
+    def num_subscriptions(self) -> int:
+        return len(self._subs)
+
+    def release(self, request_id: str) -> None:
+        self._subs.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def abort_later(self, request_id: str) -> None:
+        """Publishes the abort without making the caller wait (a handler that is returning)."""
+        self.release(request_id)
+        self._spawn(self.abort(request_id))
+
+    def detach(self, request_id: str) -> None:
+        """The client of a running stream hung up (a transport that keeps no replies: abort it now)."""
+        self.abort_later(request_id)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _stop_background(self) -> None:
+        """At close: aborts not published yet are left to the engines' orphan rule."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _open(self, request_id: str, owner: tuple[str, str] | None = None,
+              held: bool = False) -> asyncio.Queue[ReplyEvent]:
+        sub = Subscription(asyncio.Queue(), time.monotonic(), owner=owner, held=[] if held else None)
+        self._subs[request_id] = sub
+        return sub.queue
+
+    # ---- replies ----------------------------------------------------------
+    def route_payload(self, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except SchemaError as exc:  # the requests it carried see a gap at their next event
+            log.error("unreadable reply batch: %s", exc)
+            return
+        self.route(batch)
+
+    def route(self, batch: ReplyBatch) -> None:
+        for request_id, event in batch.events:
+            sub = self._subs.get(request_id)
+            if sub is None:
+                continue  # another gateway's request, or one already ended here
+            if sub.held is not None:
+                sub.held.append(event)
+            else:
+                self._apply(request_id, sub, event)
+
+    def replay(self, request_id: str, events: list[ReplyEvent]) -> None:
+        """Ends a resume: the transcript's events, then the live ones held meanwhile (their overlap is
+        dropped by index)."""
+        sub = self._subs.get(request_id)
+        if sub is None:
+            return
+        held, sub.held = sub.held or [], None
+        for event in events + held:
+            if self._subs.get(request_id) is not sub:
+                return  # ended (finished, or a gap)
+            self._apply(request_id, sub, event)
+
+    def _apply(self, request_id: str, sub: Subscription, event: ReplyEvent) -> None:
+        if event.index == CONTROL_INDEX:
+            if event.kind is EventKind.ACCEPTED:  # passed on too: its handler learns an engine took it
+                sub.owner, sub.lost_since = (event.engine_id, event.incarnation), None
+                sub.queue.put_nowait(event)
+        elif event.index < sub.expected:
+            pass  # a duplicate: a retried publish, or a dead engine's late event
+        elif event.index > sub.expected:
+            # Something in between is gone: better an error than text with a hole in it.
+            self._end(request_id, sub, f"lost reply events {sub.expected}..{event.index - 1}", 500)
+        else:
+            sub.expected += 1
+            sub.queue.put_nowait(event)
+            if event.finished or event.kind is EventKind.ERROR:
+                self.release(request_id)
+
+    def _end(self, request_id: str, sub: Subscription, reason: str, status: int) -> None:
+        """An error made here (engine id ""): the gateway still owes the engine an abort."""
+        sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, "", finished=True, error=reason, status=status))
+        self.release(request_id)
+
+    # ---- engines and deadlines -------------------------------------------
+    async def _read_beats(self) -> dict[str, bytes] | None:
+        """The live engines' raw heartbeats; None when they cannot be read."""
+        raise NotImplementedError
+
+    async def _refresh_engines(self) -> None:
+        beats = await self._read_beats()
+        if beats is None:
+            # One failed read is a blip, not a dead fleet: only N in a row empty the engine list.
+            self._read_failures += 1
+            if self._read_failures >= self.config.engine_read_failures:
+                if self.reachable:
+                    log.warning("the broker is unreachable (%d failed reads)", self._read_failures)
+                self.reachable, self.engines = False, {}
+            return
+        self._read_failures, self.reachable = 0, True
+        self.engines = {i: beat for i, payload in beats.items() if (beat := self._decode_beat(i, payload))}
+
+    def _decode_beat(self, engine_id: str, payload: bytes) -> Heartbeat | None:
+        """One by one: an unreadable beat (another release) hides that engine only."""
+        try:
+            beat = decode(Heartbeat, payload)
+        except SchemaError as exc:
+            if engine_id not in self._bad_beats:
+                log.error("unreadable heartbeat of engine %s: %s", engine_id, exc)
+            self._bad_beats.add(engine_id)
+            return None
+        self._bad_beats.discard(engine_id)
+        return beat
+
+    async def _watch(self) -> None:
+        while not self._closing.is_set():
+            await self._refresh_engines()
+            self._check_deadlines(time.monotonic())
+            try:
+                await asyncio.wait_for(self._closing.wait(), self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _stop(self, task: asyncio.Task, timeout_s: float) -> None:
+        """Ends a loop that watches ``_closing``; cancelled only when it is late (a redis-py command
+        cancelled mid-flight can leave its connection's teardown hanging)."""
+        self._closing.set()
+        _, late = await asyncio.wait([task], timeout=timeout_s)
+        for hung in late:
+            hung.cancel()
+            await asyncio.gather(hung, return_exceptions=True)
+
+    def _check_deadlines(self, now: float) -> None:
+        """A request nobody accepted in time, or whose engine died and nobody resumed, ends with a 503."""
+        for request_id, sub in list(self._subs.items()):
+            if sub.held is not None:
+                continue  # a resume is replaying it
+            if sub.owner is None and now - sub.since > self.config.accept_deadline_s:
+                self._end(request_id, sub, f"no engine took the request within {self.config.accept_deadline_s:g} s",
+                          503)
+            elif self._served(sub.owner):
+                sub.lost_since = None
+            elif sub.lost_since is None:
+                sub.lost_since = now
+            elif now - sub.lost_since > self.config.resume_deadline_s:
+                self._end(request_id, sub, self._lost_reason(sub.owner), 503)
+
+    def _served(self, owner: tuple[str, str] | None) -> bool:
+        if owner is None:  # still queued: fine while any engine may take it
+            return bool(self.engines)
+        beat = self.engines.get(owner[0])
+        return beat is not None and beat.incarnation == owner[1]
+
+    def _lost_reason(self, owner: tuple[str, str] | None) -> str:
+        waited = f"{self.config.resume_deadline_s:g} s"
+        if not self.reachable:
+            return f"the broker (Redis) has been unreachable for {waited}"
+        if owner is None:
+            return f"no engine has been available for {waited}"
+        return f"engine {owner[0]} stopped responding and no engine resumed the request within {waited}"
+
