@@ -145,7 +145,7 @@ async def client(run: Run, stack: LocalStack, rng: random.Random, stop_at: float
             try:
                 await sse_stream(session, "POST", f"{url}/v1/completions", outcome,
                                  completion_body(MODEL_NAME, prompt, run.options.max_tokens))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcome.error = f"hung: no end within {REQUEST_DEADLINE_S:.0f}s"
             run.records.append(Record(start, run.now(), prompt, outcome.done, None if outcome.done else
                                       outcome.error or "ended without [DONE]", *judge(outcome, run.expected[prompt])))

@@ -46,7 +46,8 @@ async def openai_stream(client: openai.AsyncOpenAI, outcome: Outcome, model: str
 async def sse_stream(session: aiohttp.ClientSession, method: str, url: str, outcome: Outcome,
                      body: dict | None = None, headers: dict | None = None) -> Outcome:
     """A raw SSE client (the openai client hides event ids): POST a request, or GET a stream to resume,
-    with a ``Last-Event-ID`` header when resuming; appends to ``outcome``."""
+    with a ``Last-Event-ID`` header when resuming; appends to ``outcome``. A timeout (the session's) is
+    raised: the caller decides what a stream that never ended means."""
     try:
         async with session.request(method, url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -54,6 +55,8 @@ async def sse_stream(session: aiohttp.ClientSession, method: str, url: str, outc
                 return outcome
             async for event_id, data in _events(response.content):
                 _apply(outcome, event_id, data)
+    except TimeoutError:  # aiohttp's timeouts are TimeoutErrors, some of them ClientErrors as well
+        raise
     except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
         outcome.error = outcome.error or f"connection: {type(exc).__name__}: {exc}"
     return outcome

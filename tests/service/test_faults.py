@@ -32,10 +32,10 @@ from tests.service.conftest import API_KEY, MODEL_NAME, ROOT, START_TIMEOUT_S
 from tests.service.fault_proxy import FaultProxy
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_TOKENS = 300
+MAX_TOKENS = 200
 # Room for every stream on one worker: no preemption unless a test causes it.
 ENGINE = EngineConfig(num_device_blocks=160, max_num_seqs=8, num_threads=1, attention_backend="torch")
-PROMPTS = [f"fault {i}: the paged cache" for i in range(6)]
+PROMPTS = [f"fault {i}: the paged cache" for i in range(4)]
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1", "--redis-block-ms", "200", "--max-pull", "2"]
 STREAM_DEADLINE_S = 45.0  # a stream still open after this long hangs
 PREFIX = "pagedserve"
@@ -271,3 +271,33 @@ def test_resume_of_an_unknown_stream_is_404(faults: Faults) -> None:
 
     outcome = asyncio.run(run())
     assert outcome.error is not None and outcome.error.startswith("HTTP 404") and "stream_not_found" in outcome.error
+
+
+@pytest.mark.slow
+def test_no_engine_left_fails_fast_never_hangs(demo_model: str) -> None:
+    """Its own stack with short gateway deadlines: streams whose only engine died end with an error
+    once nobody resumed them within the resume deadline; a request no engine takes is a 503 with
+    Retry-After after the accept deadline."""
+    stack = LocalStack(env={"PAGEDSERVE_API_KEY": API_KEY}, cwd=ROOT)
+    common = ["--model", demo_model, "--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
+    stack.add_worker([*common, *config_argv(ENGINE), *FAST, "--engine-id", "w0"])
+    stack.add_gateway([*common, "--engine-poll", "0.2", "--resume-deadline", "2", "--accept-deadline", "2"])
+    with stack:
+        stack.wait_ready(START_TIMEOUT_S)
+
+        async def kill(outcomes: list[Outcome]) -> None:
+            stack.kill(stack.workers[0])
+
+        start = time.monotonic()
+        outcomes = asyncio.run(streams(stack.url, PROMPTS[:2], kill, deadline_s=15))
+        assert time.monotonic() - start < 15
+        assert all(o.error and not o.done for o in outcomes), outcomes
+        status, headers = asyncio.run(post_status(stack.url))
+        assert status == 503 and "Retry-After" in headers
+
+
+async def post_status(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        async with session.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "anyone?",
+                                                                "max_tokens": 2}) as response:
+            return response.status, dict(response.headers)
