@@ -7,7 +7,7 @@ from loadtest.chaos import ChaosOptions, plot, run_chaos
 
 
 def test_short_chaos_run_loses_and_duplicates_nothing(demo_model: str, tmp_path) -> None:
-    result = run_chaos(ChaosOptions(minutes=0.5, seed=3, clients=4, mean_fault_s=6, redis_faults=False,
+    result = run_chaos(ChaosOptions(minutes=0.5, seed=3, clients=4, mean_fault_s=5, redis_faults=False,
                                     model=demo_model))
     assert result["faults"] and result["completed"] > 0
     assert result["hung"] == 0 and result["tokens_duplicated"] == 0 and result["tokens_lost"] == 0
