@@ -56,9 +56,9 @@ class Faults:
         return self.stack.workers[1]
 
     def owner(self, request_id: str) -> str | None:
-        """The engine id whose worker runs the request now (its owner record's consumer)."""
+        """The consumer (``engine id/incarnation``) whose worker runs the request now, from its owner record."""
         owner = self.stack.redis_command("GET", f"{PREFIX}:owner:{request_id}")
-        return owner.decode().partition("/")[0] if owner else None
+        return owner.decode() if owner else None
 
     def heal(self) -> None:
         """Every process running again, and every gateway seeing every worker."""
@@ -99,7 +99,9 @@ async def streams(url: str, prompts: list[str], during: Callable[[list[Outcome]]
                                   timeout=deadline_s) as client:
         tasks = [asyncio.create_task(openai_stream(client, o, MODEL_NAME, MAX_TOKENS)) for o in outcomes]
         if during is not None:
-            await until(lambda: all(len(o.text) >= 20 or o.done or o.error for o in outcomes), 30)
+            # As soon as each has text: streams on this machine last about a second.
+            await until(lambda: all(o.text or o.done or o.error for o in outcomes), 30)
+            assert not any(o.done or o.error for o in outcomes), "a stream ended before the fault"
             await during(outcomes)
         done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
@@ -127,6 +129,10 @@ def owners(faults: Faults, outcomes: list[Outcome]) -> list[str | None]:
     return [faults.owner(o.request_id) for o in outcomes]
 
 
+def engine_of(consumer: str | None) -> str | None:
+    return consumer.partition("/")[0] if consumer else None
+
+
 def test_undisturbed_run_is_repeatable(faults: Faults) -> None:
     """The harness itself: a second undisturbed run reads the reference texts again."""
     assert_exact(faults, asyncio.run(streams(faults.stack.url, PROMPTS)))
@@ -142,21 +148,37 @@ def test_fault_proxy_injects_faults(faults: Faults) -> None:
 
 
 def test_sigkill_one_of_two_workers(faults: Faults) -> None:
-    async def kill_an_owner(outcomes: list[Outcome]) -> None:
-        engines = [e for e in owners(faults, outcomes) if e is not None]
-        assert engines, f"no stream has an owner record ({PREFIX}:owner:<request id>)"
-        faults.stack.kill(faults.stack.workers[int(engines[0][1:])])
+    before: list[str | None] = []
 
-    assert_exact(faults, asyncio.run(streams(faults.stack.url, PROMPTS, kill_an_owner)))
+    async def kill_an_owner(outcomes: list[Outcome]) -> None:
+        before.extend(owners(faults, outcomes))
+        assert any(before), f"no stream has an owner record ({PREFIX}:owner:<request id>)"
+        faults.stack.kill(faults.stack.workers[int(engine_of(next(filter(None, before)))[1:])])
+
+    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, kill_an_owner))
+    assert_exact(faults, outcomes)
+    assert_resumed(faults, outcomes, before, next(filter(None, before)))
+
+
+def assert_resumed(faults: Faults, outcomes: list[Outcome], before: list[str | None], dead: str) -> None:
+    """The dead consumer's streams are owned by another one now: they were resumed, not finished by it."""
+    theirs = [o.request_id for o, c in zip(outcomes, before) if c == dead]
+    assert theirs and all(faults.owner(rid) not in (None, dead) for rid in theirs), (theirs, dead)
 
 
 def test_sigkill_the_only_worker_then_start_a_new_one(faults: Faults) -> None:
+    before: list[str | None] = []
+
     async def kill_all_start_one(outcomes: list[Outcome]) -> None:
+        before.extend(owners(faults, outcomes))
         for worker in faults.stack.workers:
             faults.stack.kill(worker)
         faults.stack.restart(faults.direct)  # same engine id, new incarnation
 
-    assert_exact(faults, asyncio.run(streams(faults.stack.url, PROMPTS, kill_all_start_one)))
+    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, kill_all_start_one))
+    assert_exact(faults, outcomes)
+    for dead in set(filter(None, before)):
+        assert_resumed(faults, outcomes, before, dead)
 
 
 def test_sigterm_drains(faults: Faults) -> None:
@@ -217,7 +239,7 @@ def test_flaky_connection_between_worker_and_redis(faults: Faults) -> None:
     proxied: list[str] = []
 
     async def break_the_link(outcomes: list[Outcome]) -> None:
-        proxied.extend(o.request_id for o, e in zip(outcomes, owners(faults, outcomes)) if e == "w1")
+        proxied.extend(o.request_id for o, e in zip(outcomes, owners(faults, outcomes)) if engine_of(e) == "w1")
         for _ in range(3):
             faults.proxy.reset()
             await asyncio.sleep(0.3)
@@ -242,7 +264,7 @@ def test_gateway_sigkill_client_resumes_on_the_other_gateway(faults: Faults) -> 
             first = [asyncio.create_task(sse_stream(session, "POST", f"{a.url}/v1/completions", o,
                                                     completion_body(MODEL_NAME, o.prompt, MAX_TOKENS)))
                      for o in outcomes]
-            await until(lambda: all(len(o.text) >= 20 or o.done or o.error for o in outcomes), 30)
+            await until(lambda: all(o.text or o.done or o.error for o in outcomes), 30)
             assert not any(o.done or o.error for o in outcomes), [(o.events, o.done, o.error) for o in outcomes]
             faults.stack.kill(a)
             await asyncio.wait(first, timeout=10)
