@@ -33,6 +33,7 @@ from tests.service.fault_proxy import FaultProxy
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 200
+LONG_TOKENS = 600  # the gateway test's clients must have read some events before the fault
 # Room for every stream on one worker: no preemption unless a test causes it.
 ENGINE = EngineConfig(num_device_blocks=160, max_num_seqs=8, num_threads=1, attention_backend="torch")
 PROMPTS = [f"fault {i}: the paged cache" for i in range(4)]
@@ -45,7 +46,7 @@ PREFIX = "pagedserve"
 class Faults:
     stack: LocalStack
     proxy: FaultProxy
-    reference: dict[str, str]  # prompt -> the undisturbed greedy text
+    reference: dict[tuple[str, int], str]  # (prompt, max_tokens) -> the undisturbed greedy text
 
     @property
     def direct(self):
@@ -80,9 +81,14 @@ def faults_stack(demo_model: str) -> Iterator[Faults]:
             stack.add_gateway([*common, "--engine-poll", "0.2", "--redis-block-ms", "200"])
         with stack:
             stack.wait_ready(START_TIMEOUT_S)
-            outcomes = asyncio.run(streams(stack.url, PROMPTS))
-            assert all(o.done and len(o.text) > 0 for o in outcomes), outcomes
-            yield Faults(stack, proxy, {o.prompt: o.text for o in outcomes})
+            yield Faults(stack, proxy, asyncio.run(undisturbed(stack)))
+
+
+async def undisturbed(stack: LocalStack) -> dict[tuple[str, int], str]:
+    runs = await asyncio.gather(streams(stack, PROMPTS), streams(stack, PROMPTS[:2], max_tokens=LONG_TOKENS))
+    for outcomes in runs:
+        assert all(o.done and o.text for o in outcomes), outcomes
+    return {(o.prompt, n): o.text for outcomes, n in zip(runs, (MAX_TOKENS, LONG_TOKENS)) for o in outcomes}
 
 
 @pytest.fixture
@@ -91,24 +97,36 @@ def faults(faults_stack: Faults) -> Faults:
     return faults_stack
 
 
-async def streams(url: str, prompts: list[str], during: Callable[[list[Outcome]], Awaitable[None]] | None = None,
-                  deadline_s: float = STREAM_DEADLINE_S) -> list[Outcome]:
-    """Greedy streams through the openai client; ``during`` runs once each has read a few events."""
+Owners = dict[str, str]  # request id -> its owner record's consumer
+During = Callable[[Owners], Awaitable[None]]
+
+
+async def streams(stack: LocalStack, prompts: list[str], during: During | None = None,
+                  deadline_s: float = STREAM_DEADLINE_S, max_tokens: int = MAX_TOKENS) -> list[Outcome]:
+    """Greedy streams through the openai client; ``during`` runs (given their owners) once an engine owns
+    each: a client cannot tell when tokens flow (a busy gateway may send a whole stream as one event)."""
     outcomes = [Outcome(p) for p in prompts]
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0,
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY, max_retries=0,
                                   timeout=deadline_s) as client:
-        tasks = [asyncio.create_task(openai_stream(client, o, MODEL_NAME, MAX_TOKENS)) for o in outcomes]
+        earlier = set(owner_records(stack))
+        tasks = [asyncio.create_task(openai_stream(client, o, MODEL_NAME, max_tokens)) for o in outcomes]
         if during is not None:
-            # As soon as each has text: streams on this machine last about a second.
-            await until(lambda: all(o.text or o.done or o.error for o in outcomes), 30)
+            await until(lambda: len(set(owner_records(stack)) - earlier) >= len(prompts), 30)
+            await asyncio.sleep(0.2)  # a few tokens out
             assert not any(o.done or o.error for o in outcomes), "a stream ended before the fault"
-            await during(outcomes)
+            await during({rid: c for rid, c in owner_records(stack).items() if rid not in earlier})
         done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()
     hung = [o.prompt for o, t in zip(outcomes, tasks) if t in pending]
     assert not hung, f"streams still open after {deadline_s:.0f}s: {hung}"
     return outcomes
+
+
+def owner_records(stack: LocalStack) -> Owners:
+    keys = stack.redis_command("KEYS", f"{PREFIX}:owner:*")
+    values = stack.redis_command("MGET", *keys) if keys else []
+    return {k.decode().rpartition(":")[2]: v.decode() for k, v in zip(keys, values) if v}
 
 
 async def until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -118,15 +136,11 @@ async def until(condition: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def assert_exact(faults: Faults, outcomes: list[Outcome]) -> None:
+def assert_exact(faults: Faults, outcomes: list[Outcome], max_tokens: int = MAX_TOKENS) -> None:
     """Every stream completed with exactly the undisturbed text."""
     for o in outcomes:
         assert o.error is None and o.done, f"{o.prompt!r} ({o.request_id}) failed: {o.error}"
-        assert o.text == faults.reference[o.prompt], f"{o.prompt!r} ({o.request_id}): text differs"
-
-
-def owners(faults: Faults, outcomes: list[Outcome]) -> list[str | None]:
-    return [faults.owner(o.request_id) for o in outcomes]
+        assert o.text == faults.reference[o.prompt, max_tokens], f"{o.prompt!r} ({o.request_id}): text differs"
 
 
 def engine_of(consumer: str | None) -> str | None:
@@ -135,7 +149,7 @@ def engine_of(consumer: str | None) -> str | None:
 
 def test_undisturbed_run_is_repeatable(faults: Faults) -> None:
     """The harness itself: a second undisturbed run reads the reference texts again."""
-    assert_exact(faults, asyncio.run(streams(faults.stack.url, PROMPTS)))
+    assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS)))
 
 
 def test_fault_proxy_injects_faults(faults: Faults) -> None:
@@ -148,44 +162,42 @@ def test_fault_proxy_injects_faults(faults: Faults) -> None:
 
 
 def test_sigkill_one_of_two_workers(faults: Faults) -> None:
-    before: list[str | None] = []
+    before: Owners = {}
 
-    async def kill_an_owner(outcomes: list[Outcome]) -> None:
-        before.extend(owners(faults, outcomes))
-        assert any(before), f"no stream has an owner record ({PREFIX}:owner:<request id>)"
-        faults.stack.kill(faults.stack.workers[int(engine_of(next(filter(None, before)))[1:])])
+    async def kill_an_owner(owners: Owners) -> None:
+        before.update(owners)
+        faults.stack.kill(faults.stack.workers[int(engine_of(next(iter(owners.values())))[1:])])
 
-    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, kill_an_owner))
+    outcomes = asyncio.run(streams(faults.stack, PROMPTS, kill_an_owner))
     assert_exact(faults, outcomes)
-    assert_resumed(faults, outcomes, before, next(filter(None, before)))
+    assert_resumed(faults, before, next(iter(before.values())))
 
 
-def assert_resumed(faults: Faults, outcomes: list[Outcome], before: list[str | None], dead: str) -> None:
+def assert_resumed(faults: Faults, before: Owners, dead: str) -> None:
     """The dead consumer's streams are owned by another one now: they were resumed, not finished by it."""
-    theirs = [o.request_id for o, c in zip(outcomes, before) if c == dead]
+    theirs = [rid for rid, consumer in before.items() if consumer == dead]
     assert theirs and all(faults.owner(rid) not in (None, dead) for rid in theirs), (theirs, dead)
 
 
 def test_sigkill_the_only_worker_then_start_a_new_one(faults: Faults) -> None:
-    before: list[str | None] = []
+    before: Owners = {}
 
-    async def kill_all_start_one(outcomes: list[Outcome]) -> None:
-        before.extend(owners(faults, outcomes))
+    async def kill_all_start_one(owners: Owners) -> None:
+        before.update(owners)
         for worker in faults.stack.workers:
             faults.stack.kill(worker)
         faults.stack.restart(faults.direct)  # same engine id, new incarnation
 
-    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, kill_all_start_one))
-    assert_exact(faults, outcomes)
-    for dead in set(filter(None, before)):
-        assert_resumed(faults, outcomes, before, dead)
+    assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS, kill_all_start_one)))
+    for dead in set(before.values()):
+        assert_resumed(faults, before, dead)
 
 
 def test_sigterm_drains(faults: Faults) -> None:
-    async def terminate(outcomes: list[Outcome]) -> None:
+    async def terminate(owners: Owners) -> None:
         faults.direct.process.send_signal(signal.SIGTERM)
 
-    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, terminate))
+    outcomes = asyncio.run(streams(faults.stack, PROMPTS, terminate))
     assert faults.direct.process.wait(30) == 0
     assert_exact(faults, outcomes)
 
@@ -195,7 +207,7 @@ def test_redis_restart(faults: Faults) -> None:
     fast, with an error and no wrong text; new requests are served within 5 s of Redis being back."""
     back: list[float] = []
 
-    async def restart_redis(outcomes: list[Outcome]) -> None:
+    async def restart_redis(owners: Owners) -> None:
         faults.stack.kill(faults.stack.redis)
         await asyncio.sleep(1.0)
         faults.stack.restart(faults.stack.redis)  # on this thread: a child dies with the thread that started it
@@ -203,12 +215,12 @@ def test_redis_restart(faults: Faults) -> None:
         served = await first_success(faults.stack.url, 5.0)
         assert served is not None, "no request served within 5 s of Redis being back"
 
-    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, restart_redis, deadline_s=30))
+    outcomes = asyncio.run(streams(faults.stack, PROMPTS, restart_redis, deadline_s=30))
     for o in outcomes:
         if o.done:
-            assert o.text == faults.reference[o.prompt], o
+            assert o.text == faults.reference[o.prompt, MAX_TOKENS], o
         else:
-            assert o.error and faults.reference[o.prompt].startswith(o.text), o
+            assert o.error and faults.reference[o.prompt, MAX_TOKENS].startswith(o.text), o
 
 
 async def first_success(url: str, within_s: float) -> float | None:
@@ -228,18 +240,18 @@ async def first_success(url: str, within_s: float) -> float | None:
 
 
 def test_redis_paused_7s(faults: Faults) -> None:
-    async def pause(outcomes: list[Outcome]) -> None:
+    async def pause(owners: Owners) -> None:
         faults.stack.redis_command("CLIENT", "PAUSE", 7000, "ALL")
 
-    assert_exact(faults, asyncio.run(streams(faults.stack.url, PROMPTS, pause)))
+    assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS, pause)))
 
 
 def test_flaky_connection_between_worker_and_redis(faults: Faults) -> None:
     """Resets, then replies held past the socket timeout (commands that ran look failed to the worker)."""
     proxied: list[str] = []
 
-    async def break_the_link(outcomes: list[Outcome]) -> None:
-        proxied.extend(o.request_id for o, e in zip(outcomes, owners(faults, outcomes)) if engine_of(e) == "w1")
+    async def break_the_link(owners: Owners) -> None:
+        proxied.extend(rid for rid, consumer in owners.items() if engine_of(consumer) == "w1")
         for _ in range(3):
             faults.proxy.reset()
             await asyncio.sleep(0.3)
@@ -247,7 +259,7 @@ def test_flaky_connection_between_worker_and_redis(faults: Faults) -> None:
         await asyncio.sleep(6.5)
         faults.proxy.delay(0)
 
-    outcomes = asyncio.run(streams(faults.stack.url, PROMPTS, break_the_link))
+    outcomes = asyncio.run(streams(faults.stack, PROMPTS, break_the_link))
     assert proxied, "no stream ran on the worker behind the proxy"
     assert faults.proxy.delayed_chunks > 0
     assert_exact(faults, outcomes)
@@ -262,7 +274,7 @@ def test_gateway_sigkill_client_resumes_on_the_other_gateway(faults: Faults) -> 
         async with aiohttp.ClientSession(headers=AUTH) as session:
             outcomes = [Outcome(p) for p in PROMPTS[:2]]
             first = [asyncio.create_task(sse_stream(session, "POST", f"{a.url}/v1/completions", o,
-                                                    completion_body(MODEL_NAME, o.prompt, MAX_TOKENS)))
+                                                    completion_body(MODEL_NAME, o.prompt, LONG_TOKENS)))
                      for o in outcomes]
             await until(lambda: all(o.text or o.done or o.error for o in outcomes), 30)
             assert not any(o.done or o.error for o in outcomes), [(o.events, o.done, o.error) for o in outcomes]
@@ -277,11 +289,11 @@ def test_gateway_sigkill_client_resumes_on_the_other_gateway(faults: Faults) -> 
                 sse_stream(session, "GET", f"{b.url}/v1/streams/{outcomes[0].request_id}", outcomes[0],
                            headers=resume),
                 sse_stream(session, "POST", f"{b.url}/v1/completions", outcomes[1],
-                           completion_body(MODEL_NAME, outcomes[1].prompt, MAX_TOKENS), headers=again)),
+                           completion_body(MODEL_NAME, outcomes[1].prompt, LONG_TOKENS), headers=again)),
                 STREAM_DEADLINE_S)
             return outcomes
 
-    assert_exact(faults, asyncio.run(run()))
+    assert_exact(faults, asyncio.run(run()), LONG_TOKENS)
 
 
 def test_resume_of_an_unknown_stream_is_404(faults: Faults) -> None:
@@ -307,11 +319,11 @@ def test_no_engine_left_fails_fast_never_hangs(demo_model: str) -> None:
     with stack:
         stack.wait_ready(START_TIMEOUT_S)
 
-        async def kill(outcomes: list[Outcome]) -> None:
+        async def kill(owners: Owners) -> None:
             stack.kill(stack.workers[0])
 
         start = time.monotonic()
-        outcomes = asyncio.run(streams(stack.url, PROMPTS[:2], kill, deadline_s=15))
+        outcomes = asyncio.run(streams(stack, PROMPTS[:2], kill, deadline_s=15))
         assert time.monotonic() - start < 15
         assert all(o.error and not o.done for o in outcomes), outcomes
         status, headers = asyncio.run(post_status(stack.url))
