@@ -9,7 +9,8 @@ text once, then runs ``--clients`` concurrent greedy streaming clients for ``--m
 schedule (mean ``--mean-fault-s`` between faults) SIGKILLs a worker, SIGTERMs one (a drain), or
 SIGKILLs Redis, each restarted after a short random outage.
 
-Reports requests sent, completed, failed (by reason), resumed (completed requests that were in flight
+Reports requests sent, completed, failed (by reason; ``refused``: of those, the ones answered with an
+HTTP error before streaming, e.g. 503 while no engine or no Redis is up), resumed (completed requests that were in flight
 across a worker fault: the client cannot see an owner change, so this counts the requests a resume
 must have carried, an upper bound), hung (no end within the request deadline), and the tokens
 duplicated and lost: each completed text is diffed with its undisturbed one (a failed request's
@@ -210,6 +211,7 @@ def summarize(run: Run, duration_s: float) -> dict:
     reasons = Counter(_reason(r.error) for r in run.records if not r.done)
     return {"options": asdict(run.options), "duration_s": round(duration_s, 1), "sent": len(run.records),
             "completed": len(done), "resumed": resumed, "failed": len(run.records) - len(done),
+            "refused": sum(r.error.startswith("HTTP ") for r in run.records if r.error),
             "hung": sum(r.error.startswith("hung") for r in run.records if r.error),
             "failures": dict(reasons.most_common()), "tokens_duplicated": sum(r.duplicated for r in run.records),
             "tokens_lost": sum(r.lost for r in run.records), "faults": [asdict(f) for f in run.faults],
@@ -218,7 +220,7 @@ def summarize(run: Run, duration_s: float) -> dict:
 
 def _reason(error: str) -> str:
     """An error without its request ids and numbers, so equal causes count together."""
-    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"(chatcmpl|cmpl)-[0-9a-f]+", "<id>", error))[:160]
+    return re.sub(r"(?<!HTTP )\b\d+(\.\d+)?\b", "N", re.sub(r"(chatcmpl|cmpl)-[0-9a-f]+", "<id>", error))[:160]
 
 
 def plot(result: dict, path: str) -> None:
