@@ -95,13 +95,14 @@ class LocalStack:
         """A worker on this stack's Redis, or on ``redis_url`` (e.g. a proxy in front of it)."""
         return self._add("worker", argv, redis_url=redis_url)
 
-    def add_gateway(self, argv: list[str], host: str = "127.0.0.1", port: int | None = None) -> Child:
+    def add_gateway(self, argv: list[str], host: str = "127.0.0.1", port: int | None = None,
+                    redis_url: str | None = None) -> Child:
         """With no ``port``, the gateway listens on a free port of ``host``, added to its flags;
         with one, the flags already say where it listens (``serve`` forwards its own)."""
         if port is None:
             port = free_port()
             argv = [*argv, "--host", host, "--port", str(port)]
-        return self._add("gateway", argv, f"http://{host}:{port}")
+        return self._add("gateway", argv, f"http://{host}:{port}", redis_url)
 
     def _add(self, role: str, argv: list[str], url: str | None = None, redis_url: str | None = None) -> Child:
         """A child added to a running stack starts at once."""

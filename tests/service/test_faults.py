@@ -9,8 +9,9 @@ gateway's client resumes on another gateway with ``Last-Event-ID``. Redis restar
 persistence loses the queue itself: an in-flight stream either completes exactly or ends with an error
 (never wrong text, never a hang), and new requests are served within 5 s of Redis being back.
 
-The stack is shared by the module: worker w0 talks to Redis directly, w1 through a fault proxy
-(passing bytes through but in its test); each test starts with every process running and ready.
+The stack is shared by the module: worker w0 and the first gateway talk to Redis directly, w1 and the
+second gateway through a fault proxy (passing bytes through but in its test); each test starts with
+every process running and ready.
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def faults_stack(demo_model: str) -> Iterator[Faults]:
     with FaultProxy(stack.redis_port) as proxy:
         stack.add_worker([*common, *config_argv(ENGINE), *FAST, "--engine-id", "w0"])
         stack.add_worker([*common, *config_argv(ENGINE), *FAST, "--engine-id", "w1"], redis_url=proxy.url)
-        for _ in range(2):
-            stack.add_gateway([*common, "--engine-poll", "0.2", "--redis-block-ms", "200"])
+        gateway = [*common, "--engine-poll", "0.2", "--redis-block-ms", "200"]
+        stack.add_gateway(gateway)
+        stack.add_gateway(gateway, redis_url=proxy.url)
         with stack:
             stack.wait_ready(START_TIMEOUT_S)
             yield Faults(stack, proxy, asyncio.run(undisturbed(stack)))
@@ -102,11 +104,12 @@ During = Callable[[Owners], Awaitable[None]]
 
 
 async def streams(stack: LocalStack, prompts: list[str], during: During | None = None,
-                  deadline_s: float = STREAM_DEADLINE_S, max_tokens: int = MAX_TOKENS) -> list[Outcome]:
-    """Greedy streams through the openai client; ``during`` runs (given their owners) once an engine owns
+                  deadline_s: float = STREAM_DEADLINE_S, max_tokens: int = MAX_TOKENS,
+                  url: str | None = None) -> list[Outcome]:
+    """Greedy streams through the openai client (to the first gateway unless ``url``); ``during`` runs (given their owners) once an engine owns
     each: a client cannot tell when tokens flow (a busy gateway may send a whole stream as one event)."""
     outcomes = [Outcome(p) for p in prompts]
-    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY, max_retries=0,
+    async with openai.AsyncOpenAI(base_url=f"{url or stack.url}/v1", api_key=API_KEY, max_retries=0,
                                   timeout=deadline_s) as client:
         earlier = set(owner_records(stack))
         tasks = [asyncio.create_task(openai_stream(client, o, MODEL_NAME, max_tokens)) for o in outcomes]
@@ -246,11 +249,12 @@ def test_redis_paused_7s(faults: Faults) -> None:
     assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS, pause)))
 
 
-def test_flaky_connection_between_worker_and_redis(faults: Faults) -> None:
-    """Resets, then replies held past the socket timeout (commands that ran look failed to the worker)."""
+def test_flaky_connection_to_redis(faults: Faults) -> None:
+    """Resets, then replies held past the socket timeout (commands that ran look failed to their
+    sender), on the links of a worker and of the gateway the streams go through."""
     proxied: list[str] = []
 
-    async def break_the_link(owners: Owners) -> None:
+    async def break_the_links(owners: Owners) -> None:
         proxied.extend(rid for rid, consumer in owners.items() if engine_of(consumer) == "w1")
         for _ in range(3):
             faults.proxy.reset()
@@ -259,7 +263,7 @@ def test_flaky_connection_between_worker_and_redis(faults: Faults) -> None:
         await asyncio.sleep(6.5)
         faults.proxy.delay(0)
 
-    outcomes = asyncio.run(streams(faults.stack, PROMPTS, break_the_link))
+    outcomes = asyncio.run(streams(faults.stack, PROMPTS, break_the_links, url=faults.stack.urls[1]))
     assert proxied, "no stream ran on the worker behind the proxy"
     assert faults.proxy.delayed_chunks > 0
     assert_exact(faults, outcomes)
