@@ -9,10 +9,10 @@ text once, then runs ``--clients`` concurrent greedy streaming clients for ``--m
 schedule (mean ``--mean-fault-s`` between faults) SIGKILLs a worker, SIGTERMs one (a drain), or
 SIGKILLs Redis, each restarted after a short random outage.
 
-Reports requests sent, completed, failed (by reason; ``refused``: of those, the ones answered with an
-HTTP error before streaming, e.g. 503 while no engine or no Redis is up), resumed (completed requests that were in flight
-across a worker fault: the client cannot see an owner change, so this counts the requests a resume
-must have carried, an upper bound), hung (no end within the request deadline), and the tokens
+Reports requests sent, completed, failed (by reason; ``refused``: of those, the ones answered with
+an HTTP error before streaming, e.g. 503 while no engine or no Redis is up), resumed (completed
+requests that were in flight across a worker fault: the client cannot see an owner change, so this
+counts the requests a resume may have carried, an upper bound), hung (no end within the request deadline), and the tokens
 duplicated and lost: each completed text is diffed with its undisturbed one (a failed request's
 partial text with the undisturbed prefix), counted in characters of text (the demo tokenizer is
 byte-level: a character is one token for ASCII). A Redis restart loses the queue (no persistence),

@@ -28,7 +28,7 @@ import pytest
 from engine.config import EngineConfig
 from loadtest.stream_client import Outcome, completion_body, openai_stream, sse_stream
 from service.flags import config_argv
-from service.local_stack import LocalStack
+from service.local_stack import Child, LocalStack
 from tests.service.conftest import API_KEY, MODEL_NAME, ROOT, START_TIMEOUT_S
 from tests.service.fault_proxy import FaultProxy
 
@@ -50,12 +50,9 @@ class Faults:
     reference: dict[tuple[str, int], str]  # (prompt, max_tokens) -> the undisturbed greedy text
 
     @property
-    def direct(self):
+    def direct(self) -> Child:
+        """Worker w0, the one that talks to Redis directly."""
         return self.stack.workers[0]
-
-    @property
-    def proxied(self):
-        return self.stack.workers[1]
 
     def owner(self, request_id: str) -> str | None:
         """The consumer (``engine id/incarnation``) whose worker runs the request now, from its owner record."""
@@ -106,8 +103,9 @@ During = Callable[[Owners], Awaitable[None]]
 async def streams(stack: LocalStack, prompts: list[str], during: During | None = None,
                   deadline_s: float = STREAM_DEADLINE_S, max_tokens: int = MAX_TOKENS,
                   url: str | None = None) -> list[Outcome]:
-    """Greedy streams through the openai client (to the first gateway unless ``url``); ``during`` runs (given their owners) once an engine owns
-    each: a client cannot tell when tokens flow (a busy gateway may send a whole stream as one event)."""
+    """Greedy streams through the openai client, to the first gateway unless ``url``. ``during`` runs
+    (given their owners) once an engine owns each: the client cannot tell when tokens flow (a busy
+    gateway may send a whole stream as one event)."""
     outcomes = [Outcome(p) for p in prompts]
     async with openai.AsyncOpenAI(base_url=f"{url or stack.url}/v1", api_key=API_KEY, max_retries=0,
                                   timeout=deadline_s) as client:
@@ -118,7 +116,7 @@ async def streams(stack: LocalStack, prompts: list[str], during: During | None =
             await asyncio.sleep(0.2)  # a few tokens out
             assert not any(o.done or o.error for o in outcomes), "a stream ended before the fault"
             await during({rid: c for rid, c in owner_records(stack).items() if rid not in earlier})
-        done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        _, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()
     hung = [o.prompt for o, t in zip(outcomes, tasks) if t in pending]
@@ -208,13 +206,10 @@ def test_sigterm_drains(faults: Faults) -> None:
 def test_redis_restart(faults: Faults) -> None:
     """Without persistence the queue and every record are gone: an in-flight stream may fail, but
     fast, with an error and no wrong text; new requests are served within 5 s of Redis being back."""
-    back: list[float] = []
-
     async def restart_redis(owners: Owners) -> None:
         faults.stack.kill(faults.stack.redis)
         await asyncio.sleep(1.0)
         faults.stack.restart(faults.stack.redis)  # on this thread: a child dies with the thread that started it
-        back.append(time.monotonic())
         served = await first_success(faults.stack.url, 5.0)
         assert served is not None, "no request served within 5 s of Redis being back"
 
@@ -233,7 +228,7 @@ async def first_success(url: str, within_s: float) -> float | None:
         while (elapsed := time.monotonic() - start) < within_s:
             try:
                 async with session.post(f"{url}/v1/completions", json={
-                        "model": MODEL_NAME, "prompt": "back?", "max_tokens": 2, **{"ignore_eos": True}}) as r:
+                        "model": MODEL_NAME, "prompt": "back?", "max_tokens": 2, "ignore_eos": True}) as r:
                     if r.status == 200:
                         return elapsed
             except (aiohttp.ClientError, asyncio.TimeoutError):
