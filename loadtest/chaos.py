@@ -12,11 +12,12 @@ SIGKILLs Redis, each restarted after a short random outage.
 Reports requests sent, completed, failed (by reason; ``refused``: of those, the ones answered with
 an HTTP error before streaming, e.g. 503 while no engine or no Redis is up), resumed (completed
 requests that were in flight across a worker fault: the client cannot see an owner change, so this
-counts the requests a resume may have carried, an upper bound), hung (no end within the request deadline), and the tokens
-duplicated and lost: each completed text is diffed with its undisturbed one (a failed request's
-partial text with the undisturbed prefix), counted in characters of text (the demo tokenizer is
-byte-level: a character is one token for ASCII). A Redis restart loses the queue (no persistence),
-so the requests in flight then may fail, with an error, by design; none may hang or show wrong text.
+counts the requests a resume may have carried, an upper bound), hung (no end within the request
+deadline), and the tokens duplicated and lost: each completed text is diffed with its undisturbed
+one (a failed request's partial text with the undisturbed prefix), counted in characters of text
+(the demo tokenizer is byte-level: a character is one token for ASCII). A Redis restart loses the
+queue (no persistence), so the requests in flight then may fail, with an error, by design; none may
+hang or show wrong text.
 ``--png`` draws a timeline (completions and failures per second, the faults as lines).
 """
 from __future__ import annotations
