@@ -37,7 +37,8 @@ MAX_TOKENS = 200
 LONG_TOKENS = 600  # the gateway test's clients must have read some events before the fault
 # Room for every stream on one worker: no preemption unless a test causes it.
 ENGINE = EngineConfig(num_device_blocks=160, max_num_seqs=8, num_threads=1, attention_backend="torch")
-PROMPTS = [f"fault {i}: the paged cache" for i in range(4)]
+PROMPTS = [f"fault {i}: the paged cache" for i in range(8)]
+STREAMS = PROMPTS[:4]  # per test, but for the issue's own case: 8 streams, the only worker killed
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1", "--redis-block-ms", "200", "--max-pull", "2"]
 STREAM_DEADLINE_S = 45.0  # a stream still open after this long hangs
 PREFIX = "pagedserve"
@@ -84,7 +85,7 @@ def faults_stack(demo_model: str) -> Iterator[Faults]:
 
 
 async def undisturbed(stack: LocalStack) -> dict[tuple[str, int], str]:
-    runs = await asyncio.gather(streams(stack, PROMPTS), streams(stack, PROMPTS[:2], max_tokens=LONG_TOKENS))
+    runs = await asyncio.gather(streams(stack, PROMPTS), streams(stack, STREAMS[:2], max_tokens=LONG_TOKENS))
     for outcomes in runs:
         assert all(o.done and o.text for o in outcomes), outcomes
     return {(o.prompt, n): o.text for outcomes, n in zip(runs, (MAX_TOKENS, LONG_TOKENS)) for o in outcomes}
@@ -150,7 +151,7 @@ def engine_of(consumer: str | None) -> str | None:
 
 def test_undisturbed_run_is_repeatable(faults: Faults) -> None:
     """The harness itself: a second undisturbed run reads the reference texts again."""
-    assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS)))
+    assert_exact(faults, asyncio.run(streams(faults.stack, STREAMS)))
 
 
 def test_fault_proxy_injects_faults(faults: Faults) -> None:
@@ -169,7 +170,7 @@ def test_sigkill_one_of_two_workers(faults: Faults) -> None:
         before.update(owners)
         faults.stack.kill(faults.stack.workers[int(engine_of(next(iter(owners.values())))[1:])])
 
-    outcomes = asyncio.run(streams(faults.stack, PROMPTS, kill_an_owner))
+    outcomes = asyncio.run(streams(faults.stack, STREAMS, kill_an_owner))
     assert_exact(faults, outcomes)
     assert_resumed(faults, before, next(iter(before.values())))
 
@@ -198,7 +199,7 @@ def test_sigterm_drains(faults: Faults) -> None:
     async def terminate(owners: Owners) -> None:
         faults.direct.process.send_signal(signal.SIGTERM)
 
-    outcomes = asyncio.run(streams(faults.stack, PROMPTS, terminate))
+    outcomes = asyncio.run(streams(faults.stack, STREAMS, terminate))
     assert faults.direct.process.wait(30) == 0
     assert_exact(faults, outcomes)
 
@@ -213,7 +214,7 @@ def test_redis_restart(faults: Faults) -> None:
         served = await first_success(faults.stack.url, 5.0)
         assert served is not None, "no request served within 5 s of Redis being back"
 
-    outcomes = asyncio.run(streams(faults.stack, PROMPTS, restart_redis, deadline_s=30))
+    outcomes = asyncio.run(streams(faults.stack, STREAMS, restart_redis, deadline_s=30))
     for o in outcomes:
         if o.done:
             assert o.text == faults.reference[o.prompt, MAX_TOKENS], o
@@ -241,7 +242,7 @@ def test_redis_paused_7s(faults: Faults) -> None:
     async def pause(owners: Owners) -> None:
         faults.stack.redis_command("CLIENT", "PAUSE", 7000, "ALL")
 
-    assert_exact(faults, asyncio.run(streams(faults.stack, PROMPTS, pause)))
+    assert_exact(faults, asyncio.run(streams(faults.stack, STREAMS, pause)))
 
 
 def test_flaky_connection_to_redis(faults: Faults) -> None:
@@ -258,7 +259,7 @@ def test_flaky_connection_to_redis(faults: Faults) -> None:
         await asyncio.sleep(6.5)
         faults.proxy.delay(0)
 
-    outcomes = asyncio.run(streams(faults.stack, PROMPTS, break_the_links, url=faults.stack.urls[1]))
+    outcomes = asyncio.run(streams(faults.stack, STREAMS, break_the_links, url=faults.stack.urls[1]))
     assert proxied, "no stream ran on the worker behind the proxy"
     assert faults.proxy.delayed_chunks > 0
     assert_exact(faults, outcomes)
@@ -271,7 +272,7 @@ def test_gateway_sigkill_client_resumes_on_the_other_gateway(faults: Faults) -> 
 
     async def run() -> list[Outcome]:
         async with aiohttp.ClientSession(headers=AUTH) as session:
-            outcomes = [Outcome(p) for p in PROMPTS[:2]]
+            outcomes = [Outcome(p) for p in STREAMS[:2]]
             first = [asyncio.create_task(sse_stream(session, "POST", f"{a.url}/v1/completions", o,
                                                     completion_body(MODEL_NAME, o.prompt, LONG_TOKENS)))
                      for o in outcomes]
@@ -322,7 +323,7 @@ def test_no_engine_left_fails_fast_never_hangs(demo_model: str) -> None:
             stack.kill(stack.workers[0])
 
         start = time.monotonic()
-        outcomes = asyncio.run(streams(stack, PROMPTS[:2], kill, deadline_s=15))
+        outcomes = asyncio.run(streams(stack, STREAMS[:2], kill, deadline_s=15))
         assert time.monotonic() - start < 15
         assert all(o.error and not o.done for o in outcomes), outcomes
         status, headers = asyncio.run(post_status(stack.url))
