@@ -3,12 +3,13 @@ each its own ``pagedserve worker|gateway`` process.
 
 ``pagedserve serve``, the serving benchmark and the service tests all start their
 processes here. Redis listens on a unix socket in a private folder (and, when asked,
-on a loopback TCP port too, so a fault-injecting proxy can sit in front of it) and keeps
-nothing on disk: a restarted Redis starts empty. Every child runs in its own session, so a Ctrl-C reaches only
-the launcher, which then stops the children in order (gateways, workers, Redis);
-on Linux the kernel also stops them should the launcher die outright (the thread
-that started them must live as long as they do). Secrets such as API keys go in
-``env``, never in argv, where any user of the machine could read them.
+on a loopback TCP port too, so that a fault-injecting proxy can sit in front of it)
+and keeps nothing on disk: a restarted Redis starts empty. Every child runs in its
+own session, so a Ctrl-C reaches only the launcher, which then stops the children in
+order (gateways, workers, Redis); on Linux the kernel also stops them should the
+launcher die outright (the thread that started them must live as long as they do).
+Secrets such as API keys go in ``env``, never in argv, where any user of the machine
+could read them.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ class LocalStack:
         child.process.wait()
 
     def restart(self, child: Child) -> None:
-        """Stops one child (SIGTERM; a stopped one stays so) and starts it again with the same command line."""
+        """Stops one child (SIGTERM, unless it already exited) and starts it again with the same command line."""
         _stop([child])
         if child is self.redis:
             self._spawn_redis()
