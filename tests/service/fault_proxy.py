@@ -55,7 +55,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         self.reset()
-        self._server.close()
+        self._loop.call_soon_threadsafe(self._server.close)  # the loop's objects are touched on its thread only
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
