@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 GROUP = "engines"
 _COMMAND_TIMEOUT_S = 5.0
-ACL_COMMANDS = ("xadd", "xread", "xreadgroup", "xack", "xdel", "xgroup|create", "del", "expire", "set", "mget", "sadd", "srem", "smembers", "exists", "ping", "get", "xrange", "xclaim", "xpending", "xinfo|consumers", "xgroup|delconsumer", "xrevrange")
+ACL_COMMANDS = ("xadd", "xread", "xreadgroup", "xack", "xdel", "xgroup|create", "xgroup|delconsumer", "xrange",
+                "xrevrange", "xclaim", "xpending", "xinfo|consumers", "del", "expire", "get", "set", "mget", "sadd",
+                "srem", "smembers", "exists", "ping")
 
 
 def acl_rules(prefix: str) -> str:

@@ -25,7 +25,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.messages import EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode
+from service.messages import GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode
 from service.transcript import Transcript
 
 

@@ -102,8 +102,17 @@ class RedisWorkerBroker:
         return pulled, self._read_aborts(aborts)
 
     async def _own_pending(self) -> list[tuple[bytes, dict]]:
-        response = await self._client.xreadgroup(GROUP, self.consumer, {self._requests: "0"})
-        return [(e, f) for _, stream in response or [] for e, f in stream if f and e not in self._running]
+        """This consumer's pending entries it is not running (a read whose reply was lost). Listed with
+        XPENDING and fetched with XRANGE: re-reading them with XREADGROUP would count a delivery each
+        time, and a few link errors would dead-letter a healthy request."""
+        pending = await self._client.xpending_range(self._requests, GROUP, "-", "+", 1000, consumername=self.consumer)
+        ids = [p["message_id"] for p in pending if p["message_id"] not in self._running]
+        if not ids:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self._requests, entry_id, entry_id)
+        return [(e, f) for entries in await pipe.execute() for e, f in entries if f]
 
     async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
         """Each request's owner key, set if absent: one already set is a duplicate entry's (or, with

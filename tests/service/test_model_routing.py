@@ -8,11 +8,9 @@ import uuid
 
 from engine import SamplingParams
 from service.broker import Keys
-from service.redis_worker import RedisWorkerBroker
-from service.config import RedisConfig, WorkerConfig
-from service.broker import Keys
-from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
+from service.redis_gateway import RedisGatewayBroker
+from service.redis_worker import RedisWorkerBroker
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
 from service.messages import EventKind, RequestMsg, StreamRecord, params_to_wire
 from service.worker import Worker

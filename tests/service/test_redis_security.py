@@ -19,10 +19,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
 from service.broker import ACL_COMMANDS, acl_rules
-from service.redis_worker import RedisWorkerBroker
-from service.broker import ACL_COMMANDS, acl_rules
-from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
+from service.redis_gateway import RedisGatewayBroker
+from service.redis_worker import RedisWorkerBroker
 from service.gateway import Gateway
 from service.local_stack import free_port
 from service.worker import Worker
