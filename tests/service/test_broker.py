@@ -1,6 +1,5 @@
 """The Redis clients: redis-py never retries a command behind our back. The Redis gateway broker against a real
-redis-server: shutdown never waits on a blocking read; a burst of submissions waits for pooled connections
-instead of failing."""
+redis-server: shutdown never waits on a blocking read (bursts: tests/service/test_burst.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +8,9 @@ import uuid
 import pytest
 from redis.exceptions import ConnectionError
 
-from service.broker import Keys, RedisGatewayBroker, connect
-from service.config import RedisConfig
-from service.messages import RequestMsg, params_to_wire
-from engine import SamplingParams
+from service.broker import connect
+from service.config import GatewayConfig, RedisConfig
+from service.redis_gateway import RedisGatewayBroker
 
 
 @pytest.mark.parametrize("blocking", [False, True])
@@ -43,26 +41,7 @@ async def test_close_wakes_the_blocked_reader_at_once(redis_url: str) -> None:
     # (and not cancel it mid-read, which can leave the connection's teardown hanging).
     config = RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=30_000)
     for _ in range(10):
-        broker = RedisGatewayBroker(config)
+        broker = RedisGatewayBroker(GatewayConfig(redis=config))
         await broker.start()
         await asyncio.sleep(0.05)  # the reader is inside its blocking XREAD now
         await asyncio.wait_for(broker.close(), 2.0)
-
-
-async def test_a_burst_beyond_the_pool_waits_for_connections(redis_url: str) -> None:
-    """256 submissions at once through a pool of 4 connections: every one lands (none refused for the
-    client-side cap, which the default pool answers with MaxConnectionsError)."""
-    config = RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=100, max_connections=4)
-    broker = RedisGatewayBroker(config)
-    await broker.start()
-    wire = params_to_wire(SamplingParams(max_tokens=1))
-    msgs = [RequestMsg(f"r{i}", [1, 2], wire, broker.gateway_id, 0.0, "m") for i in range(256)]
-    try:
-        await asyncio.gather(*(broker.submit(m) for m in msgs))
-        client = connect(config)
-        assert await client.xlen(Keys(config.prefix).requests("m")) == 256
-        await client.aclose()
-    finally:
-        for m in msgs:
-            broker.release(m.request_id)
-        await broker.close()

@@ -60,7 +60,8 @@ async def sse(url: str, body: dict) -> list[tuple[str, str]]:
         lines = block.split("\n")
         assert len(lines) == 2 and lines[0].startswith("id: ") and lines[1].startswith("data: "), block
         events.append((lines[0][4:], lines[1][6:]))
-    assert [e[0] for e in events] == [str(i) for i in range(len(events))]
+    request_id = json.loads(events[0][1])["id"]  # ids are <request id>:<k>, what Last-Event-ID resumes from
+    assert [e[0] for e in events] == [f"{request_id}:{i}" for i in range(len(events))]
     assert events[-1][1] == "[DONE]"
     return events
 

@@ -87,7 +87,7 @@ def demo_tokenizer(demo_model: str):
 
 
 def make_gateway(redis: RedisConfig, tokenizer, **overrides) -> Gateway:
-    config = GatewayConfig(redis=redis, engine_poll_s=0.1, **overrides)
+    config = GatewayConfig(redis=redis, **{"engine_poll_s": 0.1, "resume_deadline_s": 1.0, **overrides})
     return Gateway(config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(config))
 
 
@@ -132,7 +132,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
         await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, engine_stats()))
         response = await asyncio.wait_for(pending, 10)
         error = assert_error(response.status, await response.json(), 503)
-        assert "fake-engine stopped responding" in error["message"]
+        assert "fake-engine stopped responding and no engine resumed the request within 1 s" in error["message"]
     await engine_side.close()
 
 

@@ -1,10 +1,7 @@
-"""Killing the workers mid-stream: their requests end with a clear error, never
-hang; restarted workers (same engine ids, new incarnations) serve again.
-
-The gateway notices a dead engine when its heartbeat key expires and fails the
-requests that engine owned (they are not replayed on another engine: their
-tokens were already streamed, so a replay would duplicate output). The test
-borrows the session's stack and leaves it whole again.
+"""Killing every worker mid-stream: with no engine left to resume them, their requests end with a
+clear error once the gateway's resume deadline passes, never hang; restarted workers (same engine
+ids, new incarnations) serve again. (Resuming on a surviving engine: tests/service/test_faults.py.)
+The test borrows the session's stack and leaves it whole again.
 """
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ from service.gateway import Gateway
 from service.local_stack import LocalStack
 from tests.service.conftest import MODEL_NAME, START_TIMEOUT_S, until
 
+LOST = r"engine w[01] stopped responding and no engine resumed the request within 2 s"
 LONG = {"model": MODEL_NAME, "prompt": "z" * 20, "max_tokens": 2000, "ignore_eos": True}
 
 
@@ -38,7 +36,8 @@ async def wait_ready(client: TestClient, engines: int) -> None:
 
 
 async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model: str) -> None:
-    config = GatewayConfig(redis=RedisConfig(url=stack.redis_url, block_ms=200), engine_poll_s=0.2)
+    config = GatewayConfig(redis=RedisConfig(url=stack.redis_url, block_ms=200), engine_poll_s=0.2,
+                           resume_deadline_s=2.0)
     gateway = Gateway(config, AutoTokenizer.from_pretrained(demo_model), MODEL_NAME, 2048,
                       RedisGatewayBroker(config))
     try:
@@ -53,10 +52,10 @@ async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model:
             rest = (await asyncio.wait_for(stream.read(), 30)).decode()
             events = [block.split("\n")[1][len("data: "):] for block in rest.strip().split("\n\n")]
             assert events[-1] == "[DONE]"
-            assert re.fullmatch(r"engine w[01] stopped responding", json.loads(events[-2])["error"]["message"])
+            assert re.fullmatch(LOST, json.loads(events[-2])["error"]["message"])
             response = await asyncio.wait_for(plain, 30)
             assert response.status == 503
-            assert re.fullmatch(r"engine w[01] stopped responding", (await response.json())["error"]["message"])
+            assert re.fullmatch(LOST, (await response.json())["error"]["message"])
 
             for worker in stack.workers:
                 stack.restart(worker)
