@@ -29,28 +29,6 @@ def acl_rules(prefix: str) -> str:
     return f"~{prefix}:* resetchannels -@all " + " ".join(f"+{c}" for c in ACL_COMMANDS)
 
 
-class Keys:
-    __slots__ = ("prefix", "aborts", "engines")
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.aborts = f"{prefix}:aborts"
-        self.engines = f"{prefix}:engines"
-
-    def requests(self, model: str) -> str:
-        """One request stream per served model, so an engine never takes another model's requests."""
-        return f"{self.prefix}:requests:{model}"
-
-    def reply(self, request_id: str) -> str:
-        return f"{self.prefix}:reply:{request_id}"
-
-    def wake(self, gateway_id: str) -> str:
-        return f"{self.prefix}:wake:{gateway_id}"
-
-    def engine(self, engine_id: str) -> str:
-        return f"{self.prefix}:engine:{engine_id}"
-
-
 def connect(config: RedisConfig, blocking: bool = False, retries: int = 0) -> aioredis.Redis:
     """A client; a blocking one gets a socket timeout just above the block time. redis-py retries a
     command ``retries`` times on a connection error or timeout (none by default: a retried XADD or

@@ -99,10 +99,11 @@ def memory_worker(bus: MemoryBus, engine: Any) -> Worker:
 
 
 @asynccontextmanager
-async def running(worker: Worker) -> AsyncIterator[Worker]:
+async def running(worker: Worker) -> AsyncIterator[asyncio.Task]:
+    """The worker's run, stopped on exit; the task tells how it ended (an exit code, an exception)."""
     task = asyncio.create_task(worker.run())
     try:
-        yield worker
+        yield task
     finally:
         worker.stop()
         await asyncio.wait_for(task, 5)

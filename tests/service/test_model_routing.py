@@ -7,9 +7,9 @@ import time
 import uuid
 
 from engine import SamplingParams
-from service.broker import Keys
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.redis_gateway import RedisGatewayBroker
+from service.redis_keys import Keys
 from service.redis_worker import RedisWorkerBroker
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
 from service.messages import EventKind, RequestMsg, StreamRecord, params_to_wire

@@ -4,7 +4,6 @@ dead-lettering, draining, orphans of a gone gateway, and an engine that keeps fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +19,7 @@ from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, GatewayBeat
 from service.redis_keys import Keys
 from service.redis_worker import RedisWorkerBroker
 from service.worker import EXIT_FAILED_STEPS, Worker
-from tests.service.conftest import MODEL_NAME, until
+from tests.service.conftest import MODEL_NAME, running, until
 from tests.service.fake_engine import BOOM_ON_STEP, FAIL_ON_STEP, FakeEngine
 
 GATEWAY = "gw1"
@@ -46,14 +45,6 @@ def make_worker(redis: RedisConfig, engine: FakeEngine, engine_id: str = "w0", *
     return Worker(config, engine, MODEL_NAME, broker)
 
 
-@contextlib.asynccontextmanager
-async def running(worker: Worker) -> AsyncIterator[asyncio.Task]:
-    task = asyncio.create_task(worker.run())
-    try:
-        yield task
-    finally:
-        worker.stop()
-        await asyncio.wait_for(task, 5)
 
 
 async def beat_gateway(client: aioredis.Redis, keys: Keys, gateway_id: str, adopted: list[str] = ()) -> None:
