@@ -21,7 +21,7 @@ def http_ok() -> bool:
 
 
 def engines_key(prefix: str) -> str:
-    # The key layout of service/broker.py (its Keys class); importing it would pull in torch,
+    # The key layout of service/redis_keys.py (its Keys class); importing service would pull in torch,
     # seconds per probe, so .ci/checks asserts that these two functions agree with it.
     return f"{prefix}:engines"
 
