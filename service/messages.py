@@ -215,6 +215,16 @@ def decode(cls: type[T], payload: bytes) -> T:
     return _from_fields(cls, body)
 
 
+def decode_or_none(cls: type[T], payload: bytes | None) -> T | None:
+    """A stored message, or None when the key is missing or holds another release's (unreadable) one."""
+    if payload is None:
+        return None
+    try:
+        return decode(cls, payload)
+    except SchemaError:
+        return None
+
+
 def _from_fields(cls: type[T], body: Any) -> T:
     if not isinstance(body, dict):
         raise SchemaError(f"{cls.__name__} is not a map")

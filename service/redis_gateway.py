@@ -14,8 +14,8 @@ from redis.exceptions import RedisError
 from service.broker import connect
 from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
-from service.messages import GatewayBeat, RequestMsg, ReplyEvent, SchemaError, StreamRecord, decode, encode
-from service.redis_keys import Keys
+from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
+from service.redis_keys import Keys, split_consumer
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import read_transcript
@@ -161,7 +161,7 @@ class RedisGatewayBroker(ReplyRouter):
             raw, owner = await self._client.mget([self._keys.request(request_id), self._keys.owner(request_id)])
         except _ERRORS as exc:
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
-        record = _decode_record(raw)
+        record = decode_or_none(StreamRecord, raw)  # another release's record: resumable by that release only
         if record is None:
             return None
         self.release(request_id)  # a client resuming twice on this gateway: the newer wins
@@ -251,31 +251,11 @@ class RedisGatewayBroker(ReplyRouter):
             log.debug("gateway heartbeat failed: %s", type(exc).__name__)
 
 
-def _decode_record(payload: bytes | None) -> StreamRecord | None:
-    if payload is None:
-        return None
-    try:
-        return decode(StreamRecord, payload)
-    except SchemaError:
-        return None  # another release's record: resumable by that release only
-
-
 def _owner(consumer: bytes | None) -> tuple[str, str] | None:
-    """``{engine_id}/{incarnation}`` (``redis_keys.consumer_name``) as the owner pair."""
-    if not consumer:
-        return None
-    engine_id, _, incarnation = consumer.decode().rpartition("/")
-    return (engine_id, incarnation)
+    return split_consumer(consumer.decode()) if consumer else None
 
 
 def _adopted_anywhere(request_id: str, beats: list[bytes | None]) -> bool:
     """Whether a live gateway's beat lists ``request_id`` as adopted (its client resumed there)."""
-    for payload in beats:
-        if payload is None:
-            continue
-        try:
-            if request_id in decode(GatewayBeat, payload).adopted:
-                return True
-        except SchemaError:
-            continue
-    return False
+    return any(beat is not None and request_id in beat.adopted
+               for beat in (decode_or_none(GatewayBeat, payload) for payload in beats))

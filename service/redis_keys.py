@@ -67,3 +67,9 @@ def consumer_name(engine_id: str, incarnation: str) -> str:
     """A restarted engine keeps its id (a pod name) but not its incarnation: its predecessor's pending
     entries belong to a dead consumer and are resumed, not mistaken for its own."""
     return f"{engine_id}/{incarnation}"
+
+
+def split_consumer(name: str) -> tuple[str, str]:
+    """``consumer_name``'s (engine id, incarnation)."""
+    engine_id, _, incarnation = name.rpartition("/")
+    return engine_id, incarnation

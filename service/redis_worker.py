@@ -25,7 +25,7 @@ from service.broker_api import Pulled, RequestHandle, read_request
 from service.config import RedisConfig
 from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, SchemaError, StreamRecord,
                               decode, encode, encode_batch)
-from service.redis_keys import Keys, consumer_name
+from service.redis_keys import Keys, consumer_name, split_consumer
 from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
@@ -216,8 +216,9 @@ class RedisWorkerBroker:
         others = [(name, pending) for name, pending in consumers if name != self.consumer]
         if not others:
             return []
-        beats = await self._client.mget([self._keys.engine(n.rpartition("/")[0]) for n, _ in others])
-        return [c for c, beat in zip(others, beats) if not _alive(beat, c[0].rpartition("/")[2])]
+        owners = [split_consumer(name) for name, _ in others]
+        beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners])
+        return [c for c, (_, incarnation), beat in zip(others, owners, beats) if not _alive(beat, incarnation)]
 
     async def _claim_from(self, consumer: str, count: int) -> list[Pulled]:
         pending = await self._client.xpending_range(self._requests, GROUP, min="-", max="+", count=count,

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from service.messages import (CONTROL_INDEX, EventKind, Progress, ReplyEvent, SchemaError, StreamRecord, decode,
-                              decode_batch)
+from service.messages import (CONTROL_INDEX, EventKind, Progress, ReplyEvent, SchemaError, StreamRecord,
+                              decode_batch, decode_or_none)
 from service.redis_keys import Keys
 
 # The scan starts this long before the checkpoint (or the arrival): Redis stamps entries with its own
@@ -51,7 +51,8 @@ async def read_transcript(client: aioredis.Redis, keys: Keys, record: StreamReco
     """With ``from_checkpoint`` (an engine resuming: it needs the tokens) the scan starts at the last
     Progress; without (a gateway replaying a client's stream: it needs every event with its own boundaries
     and logprobs, to rebuild the same SSE events) it starts at the request's arrival."""
-    progress = _decode_progress(await client.get(keys.progress(record.request_id))) if from_checkpoint else None
+    # An unreadable checkpoint reads as none: the scan from arrival still finds every event.
+    progress = decode_or_none(Progress, await client.get(keys.progress(record.request_id))) if from_checkpoint else None
     since_ms = max(record.arrival_ms, progress.time_ms if progress else 0) - CLOCK_SKEW_MS
     transcript = Transcript(progress)
     start = f"{max(since_ms, 0)}-0"
@@ -62,15 +63,6 @@ async def read_transcript(client: aioredis.Redis, keys: Keys, record: StreamReco
         if len(entries) < _PAGE:
             return transcript
         start = "(" + entries[-1][0].decode()
-
-
-def _decode_progress(payload: bytes | None) -> Progress | None:
-    if payload is None:
-        return None
-    try:
-        return decode(Progress, payload)
-    except SchemaError:
-        return None  # an unreadable checkpoint: the scan from arrival still finds every event
 
 
 def _fold(transcript: Transcript, request_id: str, payload: bytes) -> None:
