@@ -18,7 +18,10 @@ from service.config import RedisConfig
 log = logging.getLogger(__name__)
 
 GROUP = "engines"
-_COMMAND_TIMEOUT_S = 5.0
+COMMAND_TIMEOUT_S = 5.0
+UNFINISHED_TTL_S = 24 * 3600  # bounds the keys of a request no engine finished (its engines all vanished)
+# What a failed Redis call raises; uvloop raises RuntimeError writing to a transport the peer reset.
+BROKER_ERRORS = (RedisError, OSError, RuntimeError)
 ACL_COMMANDS = ("xadd", "xread", "xreadgroup", "xack", "xdel", "xgroup|create", "xgroup|delconsumer", "xrange",
                 "xrevrange", "xclaim", "xpending", "xinfo|consumers", "del", "expire", "get", "set", "mget", "sadd",
                 "srem", "smembers", "exists", "ping")
@@ -33,12 +36,12 @@ def connect(config: RedisConfig, blocking: bool = False, retries: int = 0) -> ai
     """A client; a blocking one gets a socket timeout just above the block time. redis-py retries a
     command ``retries`` times on a connection error or timeout (none by default: a retried XADD or
     pipeline whose first try landed runs twice, so only callers whose commands are idempotent ask)."""
-    timeout = config.block_ms / 1000 + 1.0 if blocking else _COMMAND_TIMEOUT_S
+    timeout = config.block_ms / 1000 + 1.0 if blocking else COMMAND_TIMEOUT_S
     # A blocking pool: at its cap a command waits (up to the command timeout) for a free connection,
     # where the default pool raises MaxConnectionsError at once and a burst of requests would get 503s.
     pool = aioredis.BlockingConnectionPool.from_url(
-        config.url, max_connections=config.max_connections, timeout=_COMMAND_TIMEOUT_S, socket_timeout=timeout,
-        socket_connect_timeout=_COMMAND_TIMEOUT_S, protocol=2, decode_responses=False,
+        config.url, max_connections=config.max_connections, timeout=COMMAND_TIMEOUT_S, socket_timeout=timeout,
+        socket_connect_timeout=COMMAND_TIMEOUT_S, protocol=2, decode_responses=False,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries), **config.connection_options())
     return aioredis.Redis.from_pool(pool)
 
@@ -58,6 +61,6 @@ def _unavailable_on_error(method):
     async def wrapper(*args, **kwargs):
         try:
             return await method(*args, **kwargs)
-        except (RedisError, OSError, RuntimeError) as exc:  # uvloop: RuntimeError writing to a reset transport
+        except BROKER_ERRORS as exc:
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
     return wrapper

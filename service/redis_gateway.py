@@ -9,9 +9,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
-from service.broker import connect
+from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect
 from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
@@ -22,12 +20,9 @@ from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
 
-_UNFINISHED_TTL_S = 24 * 3600  # bounds a StreamRecord whose request no engine finished
 _ABORTS_MAXLEN = 10_000
 _MAX_SUBMIT_BATCH = 256  # submissions per pipeline
 _COMMAND_RETRIES = 2  # a command may run 3 times: each is idempotent, or harmless twice (see start)
-_ERRORS = (RedisError, OSError, RuntimeError)  # uvloop: RuntimeError writing to a reset transport
-_COMMAND_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -66,14 +61,14 @@ class RedisGatewayBroker(ReplyRouter):
         # The reader's blocking XREAD is woken, not cancelled: a read cancelled mid-flight can leave
         # redis-py's connection teardown waiting forever.
         reader, watcher = self._tasks
-        await self._stop(watcher, self.poll_s + _COMMAND_TIMEOUT_S)
+        await self._stop(watcher, self.poll_s + COMMAND_TIMEOUT_S)
         await self._stop_background()
         await self._wake_reader()
-        await self._stop(reader, self.config.redis.block_ms / 1000 + _COMMAND_TIMEOUT_S)
+        await self._stop(reader, self.config.redis.block_ms / 1000 + COMMAND_TIMEOUT_S)
         try:
             await self._client.delete(self._keys.gateway(self.gateway_id))
             await self._client.srem(self._keys.gateways, self.gateway_id)
-        except _ERRORS:
+        except BROKER_ERRORS:
             pass
         await self._client.aclose()
         await self._blocking.aclose()
@@ -104,12 +99,12 @@ class RedisGatewayBroker(ReplyRouter):
             batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
             pipe = self._client.pipeline(transaction=False)
             for item in batch:
-                pipe.set(self._keys.request(item.request_id), item.record, ex=_UNFINISHED_TTL_S, nx=True)
+                pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
                 pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
             try:
                 await pipe.execute()
                 error = None
-            except _ERRORS as exc:
+            except BROKER_ERRORS as exc:
                 error = BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}")
             for item in batch:
                 if error is None:
@@ -122,7 +117,7 @@ class RedisGatewayBroker(ReplyRouter):
         self.release(request_id)
         try:
             await self._client.xadd(self._keys.aborts, {"r": request_id}, maxlen=_ABORTS_MAXLEN, approximate=True)
-        except _ERRORS as exc:  # the workers' orphan rule still ends it once this gateway is gone
+        except BROKER_ERRORS as exc:  # the workers' orphan rule still ends it once this gateway is gone
             log.warning("could not publish the abort of %s: %s", request_id, type(exc).__name__)
 
     def detach(self, request_id: str) -> None:
@@ -138,7 +133,7 @@ class RedisGatewayBroker(ReplyRouter):
             return  # resumed here, or elsewhere
         try:
             await self._client.delete(self._keys.request(request_id))
-        except _ERRORS:
+        except BROKER_ERRORS:
             pass
         await self.abort(request_id)
 
@@ -149,7 +144,7 @@ class RedisGatewayBroker(ReplyRouter):
             beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
             if gone := [i for i, b in zip(ids, beats) if b is None]:
                 await self._client.srem(self._keys.gateways, *gone)
-        except _ERRORS:
+        except BROKER_ERRORS:
             return False
         return _adopted_anywhere(request_id, beats)
 
@@ -159,7 +154,7 @@ class RedisGatewayBroker(ReplyRouter):
         transcript's, then live ones); None when the record is missing (unknown or expired)."""
         try:
             raw, owner = await self._client.mget([self._keys.request(request_id), self._keys.owner(request_id)])
-        except _ERRORS as exc:
+        except BROKER_ERRORS as exc:
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
         record = decode_or_none(StreamRecord, raw)  # another release's record: resumable by that release only
         if record is None:
@@ -169,7 +164,7 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             await self._follow(request_id, record.gateway_id)
             transcript = await read_transcript(self._client, self._keys, record, from_checkpoint=False)
-        except _ERRORS as exc:
+        except BROKER_ERRORS as exc:
             self.release(request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
         self.replay(request_id, transcript.events)
@@ -196,7 +191,7 @@ class RedisGatewayBroker(ReplyRouter):
         while not self._closing.is_set():
             try:
                 response = await self._blocking.xread(dict(self._cursors), block=self.config.redis.block_ms)
-            except _ERRORS as exc:
+            except BROKER_ERRORS as exc:
                 log.warning("reply reader: %s", type(exc).__name__)
                 await asyncio.sleep(self.poll_s)
                 continue
@@ -213,15 +208,15 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.xadd(self._out, {"w": b""})
-            pipe.expire(self._out, _UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
+            pipe.expire(self._out, UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
             await pipe.execute()
-        except _ERRORS:
+        except BROKER_ERRORS:
             pass  # then the read returns within block_ms, or fails
 
     async def _last_id(self, key: str) -> bytes:
         try:
             last = await self._client.xrevrange(key, count=1)
-        except _ERRORS:
+        except BROKER_ERRORS:
             return b"0-0"
         return last[0][0] if last else b"0-0"
 
@@ -234,7 +229,7 @@ class RedisGatewayBroker(ReplyRouter):
             dead = [i for i, b in zip(ids, beats) if b is None]
             if dead:
                 await self._client.srem(self._keys.engines, *dead)
-        except _ERRORS as exc:
+        except BROKER_ERRORS as exc:
             log.debug("heartbeat read failed: %s", type(exc).__name__)
             return None
         return {i: b for i, b in zip(ids, beats) if b is not None}
@@ -247,7 +242,7 @@ class RedisGatewayBroker(ReplyRouter):
             pipe.set(self._keys.gateway(self.gateway_id), encode(beat), px=int(self.config.gateway_ttl_s * 1000))
             pipe.sadd(self._keys.gateways, self.gateway_id)
             await pipe.execute()
-        except _ERRORS as exc:
+        except BROKER_ERRORS as exc:
             log.debug("gateway heartbeat failed: %s", type(exc).__name__)
 
 

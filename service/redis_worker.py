@@ -20,7 +20,7 @@ import uuid
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from service.broker import GROUP, _unavailable_on_error, connect, ensure_group
+from service.broker import GROUP, UNFINISHED_TTL_S, _unavailable_on_error, connect, ensure_group
 from service.broker_api import Pulled, RequestHandle, read_request
 from service.config import RedisConfig
 from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, SchemaError, StreamRecord,
@@ -31,7 +31,6 @@ from service.transcript import read_transcript
 log = logging.getLogger(__name__)
 
 _DEADLETTER_MAXLEN = 10_000
-UNFINISHED_TTL_S = 24 * 3600  # bounds the keys of a request whose engines all vanished
 
 
 class RedisWorkerBroker:
