@@ -166,7 +166,8 @@ def decode_batch(payload: bytes) -> ReplyBatch:
     try:
         engine_id, incarnation = body["engine_id"], body["incarnation"]
         events = [(rid, ReplyEvent(EventKind(kind), engine_id, incarnation,
-                                   [ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished, cached, error, status, index))
+                                   [ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished, cached, error,
+                                   status, index))
                   for rid, index, kind, choices, finished, cached, error, status in body["events"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(f"malformed ReplyBatch: {exc!r}") from exc

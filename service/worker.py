@@ -192,7 +192,8 @@ class Worker:
         have resumed some of this one's requests: those are dropped here, their replies unpublished."""
         if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s:
             return set()
-        handles = {h.request_id: h for h, _ in self._outbox + events} | {r: run.handle for r, run in self._owned.items()}
+        handles = {h.request_id: h for h, _ in self._outbox + events}
+        handles |= {rid: run.handle for rid, run in self._owned.items()}
         try:
             lost = {h.request_id for h in await self.broker.taken_over(list(handles.values()))}
         except BrokerUnavailable:
