@@ -20,8 +20,9 @@ class FakeEngine:
 
     max_model_len = 2048
 
-    def __init__(self, step_s: float = 0.0) -> None:
+    def __init__(self, step_s: float = 0.0, faults: bool = True) -> None:
         self.step_s = step_s  # each step sleeps this long (on the worker's step thread)
+        self.faults = faults  # the BOOM_* / FAIL_ON_STEP prompts fail (off: every prompt is served)
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
         self.resumed: dict[str, ResumeState] = {}
@@ -32,11 +33,11 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     resume: ResumeState | None = None) -> None:
-        if prompt_token_ids[0] == BOOM_ON_ADD:
+        if self.faults and prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")
-        self._boom |= prompt_token_ids[0] == BOOM_ON_STEP
+        self._boom |= self.faults and prompt_token_ids[0] == BOOM_ON_STEP
         self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
-        if prompt_token_ids[0] == FAIL_ON_STEP:
+        if self.faults and prompt_token_ids[0] == FAIL_ON_STEP:
             self.failing.add(request_id)
         if resume is not None:
             self.resumed[request_id] = resume

@@ -97,9 +97,15 @@ class FakeV5Worker:
         self.gateway_of: dict[str, str] = {}  # every request taken -> its gateway
         self.aborted: list[str] = []
         self.duplicate: list[tuple[str, ReplyEvent]] = []  # events to send once more, next step
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Ends ``run`` after its current step. Cancelling it instead can hang: a redis-py call cancelled
+        mid-command may never return."""
+        self.stopped = True
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             await self.transport.beat(Heartbeat(ENGINE_ID, INCARNATION, MODEL_NAME, 2048, engine_stats()))
             await self.step()
             await asyncio.sleep(self.step_s)

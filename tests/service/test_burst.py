@@ -36,8 +36,8 @@ async def serving(gateway: Gateway, worker: FakeV5Worker) -> AsyncIterator[TestC
                 await asyncio.sleep(0.02)
             yield client
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        worker.stop()
+        await asyncio.gather(task, return_exceptions=True)  # a failed step ends it too
 
 
 async def one_stream(client: TestClient) -> tuple[int, str]:

@@ -46,8 +46,8 @@ async def deployment(redis_url: str, tokenizer, step_s: float = 0.02,
                     await asyncio.sleep(0.02)
             yield a, b, worker, gateways
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        worker.stop()
+        await asyncio.gather(task, return_exceptions=True)  # a failed step ends it too
         await client.aclose()
 
 
