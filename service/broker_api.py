@@ -25,7 +25,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.messages import GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode
+from service.messages import (EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError,
+                              StreamRecord, decode)
 from service.transcript import Transcript
 
 
@@ -49,6 +50,21 @@ class Pulled:
     error: str | None = None
     resume: Transcript | None = None  # taken over from a dead engine: what it delivered
     deliveries: int = 0  # how many engines had the request before this one
+
+
+Reply = tuple[RequestHandle, EventRow]  # a worker's reply event, already in its wire form
+
+
+def rows_by_gateway(items: list[Reply]) -> dict[str, list[EventRow]]:
+    """Each gateway's rows, in publishing order: one ReplyBatch each."""
+    by_gateway: dict[str, list[EventRow]] = {}
+    for handle, row in items:
+        rows = by_gateway.get(handle.gateway_id)
+        if rows is None:
+            by_gateway[handle.gateway_id] = [row]
+        else:
+            rows.append(row)
+    return by_gateway
 
 
 def read_request(entry_id: bytes, payload: bytes) -> Pulled:
@@ -98,7 +114,7 @@ class WorkerBroker(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]: ...
-    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None: ...
+    async def publish(self, items: list[Reply], checkpoints: list[Progress]) -> None: ...
     async def ack(self, handle: RequestHandle) -> None: ...
     async def dead_letter(self, handle: RequestHandle, reason: str) -> None: ...
     async def reclaim(self, room: int) -> list[Pulled]: ...

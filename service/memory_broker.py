@@ -14,10 +14,10 @@ import time
 import uuid
 from collections import defaultdict, deque
 
-from service.broker_api import Pulled, RequestHandle, Resumed, read_request
+from service.broker_api import Pulled, Reply, RequestHandle, Resumed, read_request, rows_by_gateway
 from service.config import GatewayConfig
-from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, RequestMsg, StreamRecord,
-                              encode, encode_batch)
+from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, StreamRecord,
+                              encode, pack_batch)
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 
@@ -129,16 +129,14 @@ class MemoryWorkerBroker:
         self._abort_cursor += len(aborts)
         return pulled, aborts
 
-    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None:
+    async def publish(self, items: list[Reply], checkpoints: list[Progress]) -> None:
         """One encoded ReplyBatch per gateway, as over Redis."""
-        by_gateway: dict[str, list[tuple[str, ReplyEvent]]] = defaultdict(list)
-        for handle, event in items:
-            by_gateway[handle.gateway_id].append((handle.request_id, event))
-            if event.finished:
+        for handle, row in items:
+            if row[ROW_FINISHED]:
                 self.bus.unacked.pop(handle.entry_id, None)
-        for gateway_id, events in by_gateway.items():
+        for gateway_id, rows in rows_by_gateway(items).items():
             if (gateway := self.bus.gateways.get(gateway_id)) is not None:
-                gateway.receive(encode_batch(ReplyBatch(self.engine_id, self.incarnation, events)))
+                gateway.receive(pack_batch(self.engine_id, self.incarnation, rows))
         self.bus.progress.update((p.request_id, encode(p)) for p in checkpoints)
 
     async def ack(self, handle: RequestHandle) -> None:

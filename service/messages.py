@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import CompletionOutput, TokenLogprobs
 from engine.stats import EngineStats
 
 # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
@@ -154,11 +154,33 @@ class Heartbeat:
     stats: EngineStats  # a map of its field names on the wire
 
 
+# A ReplyBatch event on the wire: ``[request_id, index, kind, choices, finished, num_cached_tokens, error,
+# status]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker builds rows directly
+# (``output_row`` runs per request per step, its hottest line); gateways decode them into ReplyEvents.
+EventRow = list
+ROW_FINISHED = 4
+_OUTPUT = EventKind.OUTPUT.value
+
+
+def event_row(request_id: str, e: ReplyEvent) -> EventRow:
+    return [request_id, e.index, e.kind.value, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in e.choices],
+            e.finished, e.num_cached_tokens, e.error, e.status]
+
+
+def output_row(request_id: str, index: int, outputs: list[CompletionOutput], finished: bool,
+               num_cached_tokens: int) -> EventRow:
+    """An OUTPUT event's row straight from the engine's outputs (no ReplyEvent, no ChoiceDelta)."""
+    return [request_id, index, _OUTPUT, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in outputs],
+            finished, num_cached_tokens, None, 500]
+
+
+def pack_batch(engine_id: str, incarnation: str, rows: list[EventRow]) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, "engine_id": engine_id, "incarnation": incarnation, "events": rows},
+                         use_bin_type=True)
+
+
 def encode_batch(batch: ReplyBatch) -> bytes:
-    rows = [[rid, e.index, e.kind.value, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in e.choices],
-             e.finished, e.num_cached_tokens, e.error, e.status] for rid, e in batch.events]
-    return msgpack.packb({"v": SCHEMA_VERSION, "engine_id": batch.engine_id, "incarnation": batch.incarnation,
-                          "events": rows}, use_bin_type=True)
+    return pack_batch(batch.engine_id, batch.incarnation, [event_row(rid, e) for rid, e in batch.events])
 
 
 def decode_batch(payload: bytes) -> ReplyBatch:

@@ -21,10 +21,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from service.broker import GROUP, UNFINISHED_TTL_S, _unavailable_on_error, connect, ensure_group
-from service.broker_api import Pulled, RequestHandle, read_request
+from service.broker_api import Pulled, Reply, RequestHandle, read_request, rows_by_gateway
 from service.config import RedisConfig
-from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, SchemaError, StreamRecord,
-                              decode, encode, encode_batch)
+from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, SchemaError, StreamRecord, decode, encode,
+                              pack_batch)
 from service.redis_keys import Keys, consumer_name, split_consumer
 from service.transcript import read_transcript
 
@@ -50,6 +50,7 @@ class RedisWorkerBroker:
         self._blocking: aioredis.Redis | None = None
         self._abort_cursor = b"0-0"
         self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
+        self._expire_due: dict[str, float] = {}  # gateway id -> when its out stream's TTL is renewed next
         self._recover = False  # a read failed: Redis may have delivered entries that never arrived
 
     async def start(self) -> None:
@@ -149,23 +150,23 @@ class RedisWorkerBroker:
         return ids
 
     @_unavailable_on_error
-    async def publish(self, items: list[tuple[RequestHandle, ReplyEvent]], checkpoints: list[Progress]) -> None:
+    async def publish(self, items: list[Reply], checkpoints: list[Progress]) -> None:
         """One ReplyBatch per gateway, then the checkpoints, then the finished requests' acks; all or
         nothing for the caller, which keeps the items and calls again on failure (duplicates of events
         whose first try landed are dropped by the gateway, by index)."""
         pipe = self._client.pipeline(transaction=False)
-        by_gateway: dict[str, list[tuple[str, ReplyEvent]]] = {}
-        for handle, event in items:
-            by_gateway.setdefault(handle.gateway_id, []).append((handle.request_id, event))
         min_id = f"{int(time.time() * 1000) - self._reply_ttl_s * 1000}-0"
-        for gateway_id, events in by_gateway.items():
+        now = time.monotonic()
+        for gateway_id, rows in rows_by_gateway(items).items():
             out = self._keys.out(gateway_id)
-            pipe.xadd(out, {"b": encode_batch(ReplyBatch(self.engine_id, self.incarnation, events))},
-                      minid=min_id, approximate=True)
-            pipe.expire(out, self._reply_ttl_s)  # gone once nothing wrote to it for the retention window
+            pipe.xadd(out, {"b": pack_batch(self.engine_id, self.incarnation, rows)}, minid=min_id, approximate=True)
+            if self._expire_due.get(gateway_id, 0.0) <= now:
+                # Gone once nothing wrote to it for the retention window: renewed every second or so, not every step.
+                pipe.expire(out, self._reply_ttl_s)
+                self._expire_due[gateway_id] = now + min(1.0, self._reply_ttl_s / 4)
         for progress in checkpoints:
             pipe.set(self._keys.progress(progress.request_id), encode(progress), ex=UNFINISHED_TTL_S)
-        finished = [handle for handle, event in items if event.finished]
+        finished = [handle for handle, row in items if row[ROW_FINISHED]]
         self._finish(pipe, finished)
         await pipe.execute()
         self._running.difference_update(h.entry_id for h in finished)

@@ -33,9 +33,10 @@ from engine.outputs import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-from service.broker_api import BrokerUnavailable, Pulled, RequestHandle, WorkerBroker
+from service.broker_api import BrokerUnavailable, Pulled, Reply, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
-from service.messages import ChoiceDelta, EventKind, GatewayBeat, Heartbeat, Progress, ReplyEvent
+from service.messages import (EventKind, EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, event_row,
+                              output_row)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ _RECENT_ABORTS = 10_000  # ids remembered so a request aborted while queued is n
 _RETRY_S = 0.5
 EXIT_FAILED_STEPS = 3
 
-Published = list[tuple[RequestHandle, ReplyEvent]]
+Published = list[Reply]
 
 
 @runtime_checkable
@@ -259,7 +260,7 @@ class Worker:
                 await self._quietly(self.broker.dead_letter(item.handle, reason))
                 events.append((item.handle, self._counted(run, EventKind.ERROR, finished=True, error=reason)))
                 continue
-            events.append((item.handle, self._event(EventKind.ACCEPTED)))
+            events.append((item.handle, self._row(item.handle, EventKind.ACCEPTED)))
             if (reply := self._add(item, run)) is not None:
                 events.append((item.handle, reply))
         return events
@@ -277,7 +278,7 @@ class Worker:
         tokens, reasons = item.resume.choices(n)
         return _Run(item.handle, item.resume.next_index, tokens, reasons)
 
-    def _add(self, item: Pulled, run: _Run) -> ReplyEvent | None:
+    def _add(self, item: Pulled, run: _Run) -> EventRow | None:
         msg = item.msg
         if msg.request_id in self._recent_aborts:
             return self._counted(run, EventKind.OUTPUT, finished=True)
@@ -342,7 +343,7 @@ class Worker:
             self._count_step(failed=not any(c.token_ids for out in outputs for c in out.outputs))
         elif outputs:
             self._failed_steps = 0
-        return [item for out in outputs if (item := self._output_event(out)) is not None]
+        return [item for out in outputs if (item := self._output_reply(out)) is not None]
 
     def _count_step(self, failed: bool) -> None:
         self._failed_steps = self._failed_steps + 1 if failed else 0
@@ -351,7 +352,7 @@ class Worker:
                       self._failed_steps)
             self.exit_code = EXIT_FAILED_STEPS
 
-    def _output_event(self, out: RequestOutput) -> tuple[RequestHandle, ReplyEvent] | None:
+    def _output_reply(self, out: RequestOutput) -> Reply | None:
         run = self._owned.get(out.request_id)
         if run is None:
             return None  # aborted here already
@@ -359,16 +360,13 @@ class Worker:
             del self._owned[out.request_id]
         if out.error:
             return run.handle, self._counted(run, EventKind.ERROR, finished=True, error=out.error)
-        choices = []
         for c in out.outputs:
             run.tokens[c.index] += c.token_ids
             run.reasons[c.index] = c.finish_reason
-            choices.append(ChoiceDelta(c.index, c.token_ids, c.logprobs, c.finish_reason))
         run.num_cached_tokens = out.num_cached_tokens
         run.next_index += 1
-        # Positional: this runs per request per step, the worker's hottest line.
-        return run.handle, ReplyEvent(EventKind.OUTPUT, self.config.engine_id, self.incarnation, choices, out.finished,
-                                      out.num_cached_tokens, None, 500, run.next_index - 1)
+        return run.handle, output_row(out.request_id, run.next_index - 1, out.outputs, out.finished,
+                                      out.num_cached_tokens)
 
     def _fail_all(self, error: str, status: int) -> Published:
         try:
@@ -386,14 +384,14 @@ class Worker:
         if now - self._stats_time >= self.config.heartbeat_interval_s / 2 or not self.engine.has_unfinished_requests():
             self._stats, self._stats_time = self.engine.stats(), now
 
-    def _event(self, kind: EventKind, **fields: Any) -> ReplyEvent:
-        return ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields)
+    def _row(self, handle: RequestHandle, kind: EventKind, **fields: Any) -> EventRow:
+        return event_row(handle.request_id, ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields))
 
-    def _counted(self, run: _Run, kind: EventKind, **fields: Any) -> ReplyEvent:
+    def _counted(self, run: _Run, kind: EventKind, **fields: Any) -> EventRow:
         """An OUTPUT or ERROR event, numbered in its request's sequence."""
-        event = self._event(kind, index=run.next_index, **fields)
+        row = self._row(run.handle, kind, index=run.next_index, **fields)
         run.next_index += 1
-        return event
+        return row
 
     async def _beat(self) -> None:
         """Beats while the loop moves: a step hung for longer than the heartbeat TTL stops the beats, so

@@ -15,7 +15,7 @@ from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.local_stack import LocalStack, free_port
-from service.messages import EventKind, Heartbeat, ReplyEvent
+from service.messages import EventKind, Heartbeat, ReplyEvent, event_row
 from service.worker import Worker
 from tests.service.conftest import API_KEY, MODEL_NAME, engine_stats, get_json
 from tests.service.fake_engine import BOOM_ON_ADD, FakeEngine
@@ -127,7 +127,8 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
         pulled: list = []
         while not pulled:
             pulled = (await engine_side.poll(1, block=False))[0]
-        await engine_side.publish([(pulled[0].handle, ReplyEvent(EventKind.ACCEPTED, "fake-engine", "1"))], [])
+        accepted = ReplyEvent(EventKind.ACCEPTED, "fake-engine", "1")
+        await engine_side.publish([(pulled[0].handle, event_row(pulled[0].handle.request_id, accepted))], [])
         # The same engine id beats again, from a new process: the old one's request cannot finish.
         await engine_side.heartbeat(Heartbeat("fake-engine", "2", MODEL_NAME, 2048, engine_stats()))
         response = await asyncio.wait_for(pending, 10)
