@@ -1,4 +1,4 @@
-"""The Redis key layout of one deployment, every key under one prefix (docs/architecture.md, "Broker").
+"""The Redis key layout of one deployment, every key under one prefix (docs/architecture.md, section 5).
 
   {p}:requests:{model}  stream of RequestMsg for one served model, consumer group "engines" (each engine
                         process reads as consumer "{engine_id}/{incarnation}"); an entry is acked (and
