@@ -10,6 +10,10 @@
 - Reclaim: the pending entries of dead consumers (their engine's heartbeat is gone or names another
   incarnation) are taken over with XCLAIM (atomic: once claimed, a second claimer's min-idle fails)
   and come back with their transcript, so the worker resumes them where the dead engine stopped.
+- Redis restarted empty (no persistence): the next heartbeat finds this engine's beat key gone and sets
+  ``lost_state``; the worker then re-asserts ownership of what it runs (``taken_over``: SET owner NX, so a
+  request another engine claimed meanwhile is dropped here) and re-writes its checkpoints. The gateways
+  re-submit what no engine had accepted; a re-submitted entry of a request re-owned here is a duplicate.
 """
 from __future__ import annotations
 
@@ -51,6 +55,9 @@ class RedisWorkerBroker:
         self._abort_cursor = b"0-0"
         self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
         self._recover = False  # a read failed: Redis may have delivered entries that never arrived
+        # The beat key was gone (Redis restarted empty, or it expired in a stall): the owner keys of the
+        # requests this engine runs may be gone or another engine's; ``taken_over`` settles it.
+        self.lost_state = False
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
@@ -120,10 +127,7 @@ class RedisWorkerBroker:
         readable = [p for p in pulled if p.msg is not None]
         if not readable:
             return pulled
-        pipe = self._client.pipeline(transaction=False)
-        for p in readable:
-            pipe.set(self._keys.owner(p.msg.request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
-        owners = await pipe.execute()
+        owners = await self._own([p.msg.request_id for p in readable])
         me = self.consumer.encode()
         duplicates = {p.handle.entry_id for p, old in zip(readable, owners)
                       if old is not None and not (mine_ok and old == me)}
@@ -133,6 +137,13 @@ class RedisWorkerBroker:
         kept = [p for p in pulled if p.handle.entry_id not in duplicates]
         self._running.update(p.handle.entry_id for p in kept if p.msg is not None)
         return kept
+
+    async def _own(self, request_ids: list[str]) -> list[bytes | None]:
+        """Sets each request's owner key to this consumer where it is absent; the owners before."""
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.set(self._keys.owner(request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
+        return await pipe.execute()
 
     async def _drop(self, *entry_ids: bytes) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -245,13 +256,13 @@ class RedisWorkerBroker:
     @_unavailable_on_error
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
         """Those of these requests whose owner key names another consumer now: another engine resumed them
-        while this one looked dead."""
-        if not handles:
-            return []
-        owners = await self._client.mget([self._keys.owner(h.request_id) for h in handles])
+        while this one looked dead. A missing owner key (Redis restarted empty) is no other engine's claim:
+        it is set again, so a re-submitted entry of the request is dropped as a duplicate, not run twice."""
+        owners = await self._own([h.request_id for h in handles]) if handles else []
         me = self.consumer.encode()
         lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
         self._running.difference_update(h.entry_id for h in lost)
+        self.lost_state = False
         return lost
 
     @_unavailable_on_error
@@ -264,9 +275,11 @@ class RedisWorkerBroker:
     @_unavailable_on_error
     async def heartbeat(self, beat: Heartbeat) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms)
+        pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
-        await pipe.execute()
+        previous, _ = await pipe.execute()
+        if previous is None:  # the first beat, an expiry, or Redis restarted empty
+            self.lost_state = True
 
 
 def _alive(beat: bytes | None, incarnation: str) -> bool:
