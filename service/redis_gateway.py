@@ -7,11 +7,14 @@ Redis restarted without persistence loses the queue and every record, not the re
 keeps what it submitted while the request lives. When its beat finds its own key gone, it writes its
 StreamRecords again (SET NX) and, one beat later (time for the engines to re-assert the requests they
 run), re-submits those no engine has accepted: a request an engine still owns is dropped as a
-duplicate there, one whose entry was lost is queued again."""
+duplicate there, one whose entry was lost is queued again. The accepted ones have no queue entry left
+for another engine to claim should theirs die: if one does, the request is queued again marked as a
+resume (``RESUMES``), and the engine that takes it continues from the transcript."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -21,7 +24,7 @@ from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, c
 from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
-from service.redis_keys import Keys, split_consumer
+from service.redis_keys import RESUMES, Keys, split_consumer
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import read_transcript
@@ -54,6 +57,8 @@ class RedisGatewayBroker(ReplyRouter):
         self._submitted: dict[str, _Submit] = {}  # request id -> its submission, while it lives here
         self._restore_due = False  # this gateway's beat key was gone: Redis may have lost its records
         self._resubmit: list[str] = []  # not accepted when Redis lost its state: queued again at the next beat
+        self._entry_lost: set[str] = set()  # accepted when Redis lost its state: no queue entry left
+        self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -199,6 +204,7 @@ class RedisGatewayBroker(ReplyRouter):
     def release(self, request_id: str) -> None:
         super().release(request_id)
         self._submitted.pop(request_id, None)
+        self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
             self._cursors.pop(self._keys.out(gateway_id), None)
@@ -262,6 +268,7 @@ class RedisGatewayBroker(ReplyRouter):
             pipe.sadd(self._keys.gateways, self.gateway_id)
             previous, _ = await pipe.execute()
             await self._requeue()
+            await self._requeue_orphans()
             self._restore_due |= previous is None
             if self._restore_due:
                 await self._restore()
@@ -271,13 +278,16 @@ class RedisGatewayBroker(ReplyRouter):
     async def _restore(self) -> None:
         """Writes the live requests' StreamRecords again (SET NX); those no engine accepted are queued
         again at the next beat, once the engines that run them had a beat's time to re-assert them."""
-        if self._submitted:
-            pipe = self._client.pipeline(transaction=False)
-            for item in self._submitted.values():
-                pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
-            await pipe.execute()
+        pipe = self._client.pipeline(transaction=False)
+        for item in self._submitted.values():
+            pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+        # A record written again was lost with its queue entry (an expiry of this gateway's beat alone,
+        # in a stall, loses neither).
+        written = await pipe.execute() if self._submitted else []
+        lost = {rid for rid, again in zip(self._submitted, written) if again}
         self._resubmit = [item.request_id for item in self._unaccepted(list(self._submitted))]
-        self._restore_due = False
+        self._entry_lost |= lost - set(self._resubmit)
+        self._restore_due, self._restored_at = False, time.monotonic()
 
     async def _requeue(self) -> None:
         if items := self._unaccepted(self._resubmit):
@@ -287,6 +297,27 @@ class RedisGatewayBroker(ReplyRouter):
             await pipe.execute()
             log.warning("Redis lost its state: queued %d requests again", len(items))
         self._resubmit = []
+
+    async def _requeue_orphans(self) -> None:
+        """Queues again, marked as a resume, each request of ``_entry_lost`` whose engine has been gone for a
+        third of the resume deadline, counted from the loss at the earliest (a live engine beats again well
+        within that). Only when its transcript is whole: a checkpoint written since the loss, or nothing
+        delivered before."""
+        since = time.monotonic() - self.config.resume_deadline_s / 3
+        due = [rid for rid in self._entry_lost if (sub := self._subs.get(rid)) is not None
+               and sub.lost_since is not None and max(sub.lost_since, self._restored_at) <= since]
+        if not due:
+            return
+        checkpoints = await self._client.mget([self._keys.progress(rid) for rid in due])
+        whole = [self._submitted[rid] for rid, checkpoint in zip(due, checkpoints)
+                 if checkpoint is not None or self._subs[rid].expected == 0]
+        pipe = self._client.pipeline(transaction=False)
+        for item in whole:
+            pipe.xadd(self._keys.requests(item.model), {"p": item.payload, RESUMES: b""})
+        await pipe.execute()
+        self._entry_lost -= set(due)
+        log.warning("%d requests lost their engine after Redis lost its state: %d queued again to resume, "
+                    "%d without a checkpoint fail at the resume deadline", len(due), len(whole), len(due) - len(whole))
 
     def _unaccepted(self, request_ids: list[str]) -> list[_Submit]:
         """The submissions of these requests that are still live here and that no engine has accepted."""

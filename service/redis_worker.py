@@ -29,7 +29,7 @@ from service.broker_api import Pulled, RequestHandle, read_request
 from service.config import RedisConfig
 from service.messages import (GatewayBeat, Heartbeat, Progress, ReplyBatch, ReplyEvent, SchemaError, StreamRecord,
                               decode, encode, encode_batch)
-from service.redis_keys import Keys, consumer_name, split_consumer
+from service.redis_keys import RESUMES, Keys, consumer_name, split_consumer
 from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
@@ -122,21 +122,32 @@ class RedisWorkerBroker:
 
     async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
         """Each request's owner key, set if absent: one already set is a duplicate entry's (or, with
-        ``mine_ok``, this consumer's own claim from a read whose reply was lost)."""
+        ``mine_ok``, this consumer's own claim from a read whose reply was lost), unless the entry is a
+        gateway's re-queue (field RESUMES) and that owner is dead: then the request is taken over."""
         pulled = [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
         readable = [p for p in pulled if p.msg is not None]
         if not readable:
             return pulled
         owners = await self._own([p.msg.request_id for p in readable])
         me = self.consumer.encode()
+        requeued = {entry_id for entry_id, fields in entries if RESUMES.encode() in fields}
+        orphans = await self._of_dead_owners([(p, old) for p, old in zip(readable, owners)
+                                              if p.handle.entry_id in requeued and old != me])
         duplicates = {p.handle.entry_id for p, old in zip(readable, owners)
-                      if old is not None and not (mine_ok and old == me)}
+                      if old is not None and not (mine_ok and old == me)} - {p.handle.entry_id for p in orphans}
+        await self._take_over(orphans)
         if duplicates:
             log.warning("dropping %d duplicated request entries", len(duplicates))
             await self._drop(*duplicates)
         kept = [p for p in pulled if p.handle.entry_id not in duplicates]
         self._running.update(p.handle.entry_id for p in kept if p.msg is not None)
         return kept
+
+    async def _of_dead_owners(self, claimed: list[tuple[Pulled, bytes | None]]) -> list[Pulled]:
+        """Those whose owner before (None: its key was lost too) is not a live engine's consumer."""
+        owners = [split_consumer(old.decode()) if old else ("", "") for _, old in claimed]
+        beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners]) if owners else []
+        return [p for (p, _), (_, incarnation), beat in zip(claimed, owners, beats) if not _alive(beat, incarnation)]
 
     async def _own(self, request_ids: list[str]) -> list[bytes | None]:
         """Sets each request's owner key to this consumer where it is absent; the owners before."""
@@ -242,16 +253,20 @@ class RedisWorkerBroker:
         for p in pulled:
             p.deliveries = deliveries.get(p.handle.entry_id, 1)
             self._running.add(p.handle.entry_id)
-        resumable = [p for p in pulled if p.msg is not None]
-        if resumable:
-            pipe = self._client.pipeline(transaction=False)
-            for p in resumable:
-                pipe.set(self._keys.owner(p.msg.request_id), self.consumer, ex=UNFINISHED_TTL_S)
-            await pipe.execute()
-        for p in resumable:
-            p.resume = await read_transcript(self._client, self._keys, _record_of(p))
+        await self._take_over([p for p in pulled if p.msg is not None])
         log.info("claimed %d requests of dead consumer %s", len(pulled), consumer)
         return pulled
+
+    async def _take_over(self, pulled: list[Pulled]) -> None:
+        """Owner keys set to this consumer, and each request's transcript read: the engine resumes it."""
+        if not pulled:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for p in pulled:
+            pipe.set(self._keys.owner(p.msg.request_id), self.consumer, ex=UNFINISHED_TTL_S)
+        await pipe.execute()
+        for p in pulled:
+            p.resume = await read_transcript(self._client, self._keys, _record_of(p))
 
     @_unavailable_on_error
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:

@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 from service.broker import connect
 from service.broker_api import RequestHandle
 from service.config import GatewayConfig, RedisConfig
-from service.messages import (CONTROL_INDEX, EventKind, Heartbeat, Progress, ReplyBatch, ReplyEvent, RequestMsg,
-                              StreamRecord, decode, decode_batch, encode_batch)
+from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, Heartbeat, Progress, ReplyBatch, ReplyEvent,
+                              RequestMsg, StreamRecord, decode, decode_batch, encode, encode_batch)
 from service.redis_gateway import RedisGatewayBroker
-from service.redis_keys import Keys
+from service.redis_keys import RESUMES, Keys
 from service.redis_worker import RedisWorkerBroker
 from tests.service.conftest import MODEL_NAME, engine_stats, running, until
 from tests.service.fake_engine import FakeEngine
@@ -43,6 +43,11 @@ async def lose_state(client: aioredis.Redis, prefix: str) -> None:
     keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
     if keys:
         await client.delete(*keys)
+
+
+async def publish(client: aioredis.Redis, out: str, batch: ReplyBatch) -> None:
+    """What an engine's publish writes to a gateway's out stream."""
+    await client.xadd(out, {"b": encode_batch(batch)})
 
 
 def beat(engine_id: str) -> Heartbeat:
@@ -168,7 +173,7 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
             msg = RequestMsg(rid, [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
             queues[rid] = await gateway.submit(msg, StreamRecord(rid, gateway.gateway_id, b"{}", [1], 0, 0, ""))
         accepted = ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)
-        await client.xadd(keys.out(gateway.gateway_id), {"b": encode_batch(ReplyBatch("w0", "inc", [("r1", accepted)]))})
+        await publish(client, keys.out(gateway.gateway_id), ReplyBatch("w0", "inc", [("r1", accepted)]))
         assert (await asyncio.wait_for(queues["r1"].get(), 5)).kind is EventKind.ACCEPTED
 
         await lose_state(client, redis_config.prefix)
@@ -182,3 +187,66 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
 
 async def queued_requests(client: aioredis.Redis, keys: Keys) -> list[str]:
     return [decode(RequestMsg, fields[b"p"]).request_id for _, fields in await client.xrange(keys.requests(MODEL_NAME))]
+
+
+async def test_a_requeued_resume_is_taken_over_only_from_a_dead_owner(redis_config, client) -> None:
+    """A gateway's re-queue (field RESUMES) of a request whose owner is dead is resumed from its transcript;
+    one whose owner lives, or a plain duplicate entry of a dead owner's request, is dropped."""
+    keys = Keys(redis_config.prefix)
+    broker = RedisWorkerBroker(redis_config, "w0", MODEL_NAME, reply_ttl_s=60, heartbeat_ttl_s=1.0)
+    await broker.start()
+    try:
+        await client.set(keys.engine("w1"), encode(beat("w1")))  # w1/inc lives; w2/inc is dead
+        delivered = [ReplyEvent(EventKind.OUTPUT, "w2", "inc", [ChoiceDelta(0, [66 + i])], index=i) for i in range(3)]
+        await publish(client, keys.out(GATEWAY), ReplyBatch("w2", "inc", [("r1", e) for e in delivered]))
+        for rid, owner, fields in (("r1", "w2/inc", {RESUMES: b""}), ("r2", "w1/inc", {RESUMES: b""}),
+                                   ("r3", "w2/inc", {})):
+            await client.set(keys.owner(rid), owner)
+            msg = RequestMsg(rid, [1], {"max_tokens": 8}, GATEWAY, time.time(), MODEL_NAME)
+            await client.xadd(keys.requests(MODEL_NAME), {"p": encode(msg), **fields})
+        pulled, _ = await broker.poll(3, block=False)
+        assert [p.msg.request_id for p in pulled] == ["r1"]
+        assert pulled[0].resume.choices(1)[0] == [[66, 67, 68]] and pulled[0].resume.next_index == 3
+        assert await client.get(keys.owner("r1")) == broker.consumer.encode()
+        assert await client.mget(keys.owner("r2"), keys.owner("r3")) == [b"w1/inc", b"w2/inc"]
+        assert await client.xlen(keys.requests(MODEL_NAME)) == 1  # only r1's entry is left, pending here
+    finally:
+        await broker.close()
+
+
+async def test_a_gateway_requeues_as_a_resume_a_request_whose_engine_died_after_the_loss(redis_config,
+                                                                                        client) -> None:
+    """After the loss, r1 (checkpointed since) and r2 (events delivered, no checkpoint) lose their
+    engine: r1 is queued again as a resume; r2's transcript would not be whole, it fails at the deadline."""
+    keys = Keys(redis_config.prefix)
+    await client.set(keys.engine("w0"), encode(beat("w0")))
+    await client.sadd(keys.engines, "w0")
+    gateway = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05, resume_deadline_s=0.6))
+    await gateway.start()
+    try:
+        queues = {}
+        for rid in ("r1", "r2"):
+            msg = RequestMsg(rid, [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
+            queues[rid] = await gateway.submit(msg, StreamRecord(rid, gateway.gateway_id, b"{}", [1], 0, 0, ""))
+        events = [("r1", ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)),
+                  ("r2", ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)),
+                  ("r2", ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66])], index=0))]
+        await publish(client, keys.out(gateway.gateway_id), ReplyBatch("w0", "inc", events))
+        await until(lambda: queues["r2"].qsize() == 2)
+
+        await lose_state(client, redis_config.prefix)  # and w0 dies: it never beats again
+        await until_async(lambda: client.exists(keys.request("r1")), 5)
+        await client.set(keys.progress("r1"), encode(Progress("r1", 0, [[]], [None], None, 0, 0)))
+        await until_async(lambda: client.xlen(keys.requests(MODEL_NAME)), 5)
+        [(_, fields)] = await client.xrange(keys.requests(MODEL_NAME))
+        assert decode(RequestMsg, fields[b"p"]).request_id == "r1" and RESUMES.encode() in fields
+        error = await asyncio.wait_for(last(queues["r2"], EventKind.ERROR), 5)
+        assert error.status == 503
+    finally:
+        await gateway.close()
+
+
+async def last(queue: asyncio.Queue[ReplyEvent], kind: EventKind) -> ReplyEvent:
+    while (event := await queue.get()).kind is not kind:
+        pass
+    return event
