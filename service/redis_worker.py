@@ -14,6 +14,9 @@
   ``lost_state``; the worker then re-asserts ownership of what it runs (``taken_over``: SET owner NX, so a
   request another engine claimed meanwhile is dropped here) and re-writes its checkpoints. The gateways
   re-submit what no engine had accepted; a re-submitted entry of a request re-owned here is a duplicate.
+  A request whose engine died after the loss has no entry left to reclaim: its gateway queues it again
+  marked ``RESUMES``, and the engine that pulls it takes it over (transcript and all) if the owner is
+  dead, or drops it as a duplicate if the owner lives.
 """
 from __future__ import annotations
 
@@ -273,11 +276,15 @@ class RedisWorkerBroker:
         """Those of these requests whose owner key names another consumer now: another engine resumed them
         while this one looked dead. A missing owner key (Redis restarted empty) is no other engine's claim:
         it is set again, so a re-submitted entry of the request is dropped as a duplicate, not run twice."""
-        owners = await self._own([h.request_id for h in handles]) if handles else []
+        self.lost_state = False  # before the round trip: a beat that finds its key gone meanwhile sets it again
+        try:
+            owners = await self._own([h.request_id for h in handles]) if handles else []
+        except BaseException:
+            self.lost_state = True
+            raise
         me = self.consumer.encode()
         lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
         self._running.difference_update(h.entry_id for h in lost)
-        self.lost_state = False
         return lost
 
     @_unavailable_on_error
