@@ -285,6 +285,8 @@ class RedisGatewayBroker(ReplyRouter):
         # in a stall, loses neither).
         written = await pipe.execute() if self._submitted else []
         lost = {rid for rid, again in zip(self._submitted, written) if again}
+        if lost:  # the out streams are new too: a clock behind the old one's gives ids below the cursors
+            self._cursors = dict.fromkeys(self._cursors, b"0-0")
         self._resubmit = [item.request_id for item in self._unaccepted(list(self._submitted))]
         self._entry_lost |= lost - set(self._resubmit)
         self._restore_due, self._restored_at = False, time.monotonic()

@@ -181,6 +181,11 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
         assert await client.exists(keys.request("r1"), keys.request("r2")) == 2
         await asyncio.sleep(0.3)  # several beats later: queued again once only
         assert await queued_requests(client, keys) == ["r2"]
+        # The new Redis's clock is behind the old one's: its out-stream ids are below the reader's cursor.
+        output = ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66])], index=0)
+        await client.xadd(keys.out(gateway.gateway_id), {"b": encode_batch(ReplyBatch("w0", "inc", [("r1", output)]))},
+                          id="1-1")
+        assert (await asyncio.wait_for(queues["r1"].get(), 5)).index == 0
     finally:
         await gateway.close()
 
