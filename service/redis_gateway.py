@@ -276,8 +276,9 @@ class RedisGatewayBroker(ReplyRouter):
             log.debug("gateway heartbeat failed: %s", type(exc).__name__)
 
     async def _restore(self) -> None:
-        """Writes the live requests' StreamRecords again (SET NX); those no engine accepted are queued
-        again at the next beat, once the engines that run them had a beat's time to re-assert them."""
+        """Writes the live requests' StreamRecords again (SET NX); of those that were lost, the ones no
+        engine accepted are queued again at the next beat, once the engines that run them had a beat's
+        time to re-assert them."""
         pipe = self._client.pipeline(transaction=False)
         for item in self._submitted.values():
             pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
@@ -287,7 +288,7 @@ class RedisGatewayBroker(ReplyRouter):
         lost = {rid for rid, again in zip(self._submitted, written) if again}
         if lost:  # the out streams are new too: a clock behind the old one's gives ids below the cursors
             self._cursors = dict.fromkeys(self._cursors, b"0-0")
-        self._resubmit = [item.request_id for item in self._unaccepted(list(self._submitted))]
+        self._resubmit = [item.request_id for item in self._unaccepted(list(lost))]
         self._entry_lost |= lost - set(self._resubmit)
         self._restore_due, self._restored_at = False, time.monotonic()
 

@@ -190,6 +190,22 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
         await gateway.close()
 
 
+async def test_a_gateway_whose_beat_expired_alone_queues_nothing_again(redis_config, client) -> None:
+    """A stall past the gateway TTL expires its beat key but loses no record and no queue entry."""
+    keys = Keys(redis_config.prefix)
+    gateway = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05))
+    await gateway.start()
+    try:
+        msg = RequestMsg("r1", [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
+        await gateway.submit(msg, StreamRecord("r1", gateway.gateway_id, b"{}", [1], 0, 0, ""))
+        await client.delete(keys.gateway(gateway.gateway_id))
+        await until_async(lambda: client.exists(keys.gateway(gateway.gateway_id)), 5)
+        await asyncio.sleep(0.3)
+        assert await queued_requests(client, keys) == ["r1"]
+    finally:
+        await gateway.close()
+
+
 async def queued_requests(client: aioredis.Redis, keys: Keys) -> list[str]:
     return [decode(RequestMsg, fields[b"p"]).request_id for _, fields in await client.xrange(keys.requests(MODEL_NAME))]
 
