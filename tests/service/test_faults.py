@@ -253,8 +253,7 @@ def test_redis_restart_loses_the_queue(faults: Faults) -> None:
     async def during(owners: Owners) -> None:
         faults.stack.kill(faults.stack.redis)
         await asyncio.sleep(1.0)
-        faults.stack.restart(faults.stack.redis)
-        assert faults.stack.redis_command("XLEN", REQUESTS) == 0
+        faults.stack.restart(faults.stack.redis)  # empty: the gateway may queue them again from now on
         signal_workers(faults, signal.SIGCONT)
 
     signal_workers(faults, signal.SIGSTOP)
