@@ -189,6 +189,9 @@ class RedisGatewayBroker(ReplyRouter):
             self.release(request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
         self.replay(request_id, transcript.events)
+        if transcript.hole_before is not None and (sub := self._subs.get(request_id)) is not None:
+            # Without it the stream would wait for events that never come (a request that finished).
+            self._end(request_id, sub, f"lost reply events {sub.expected}..{transcript.hole_before - 1}", 500)
         return Resumed(record, queue)
 
     async def _follow(self, request_id: str, gateway_id: str) -> None:

@@ -21,6 +21,9 @@ _PAGE = 512
 class Transcript:
     progress: Progress | None
     events: list[ReplyEvent] = field(default_factory=list)  # counted events after the checkpoint, in order
+    # The index of the first event found past a hole: the ones before it are gone (Redis restarted
+    # empty since they were published), so nothing can continue this transcript exactly.
+    hole_before: int | None = None
 
     @property
     def next_index(self) -> int:
@@ -31,9 +34,14 @@ class Transcript:
         return bool(self.events) and self.events[-1].finished
 
     def add(self, event: ReplyEvent) -> None:
-        """Keeps the next event in sequence; drops duplicates (a retried publish, two engines for a moment)."""
+        """Keeps the next event in sequence; drops duplicates (a retried publish, two engines for a moment)
+        and notes a hole (an engine publishes a request's events in index order, so a later one never fills it)."""
+        if self.hole_before is not None:
+            return
         if event.index == self.next_index:
             self.events.append(event)
+        elif event.index > self.next_index:
+            self.hole_before = event.index
 
     def choices(self, n: int) -> tuple[list[list[int]], list[str | None]]:
         """Each choice's delivered tokens and finish reason (None while it runs)."""

@@ -271,3 +271,33 @@ async def last(queue: asyncio.Queue[ReplyEvent], kind: EventKind) -> ReplyEvent:
     while (event := await queue.get()).kind is not kind:
         pass
     return event
+
+
+async def test_a_resume_after_the_loss_cannot_replay_the_lost_replies(redis_config, client) -> None:
+    """A client reconnecting (``Last-Event-ID``) after the loss: its record is back, the replies before
+    the loss are not; it gets an error event naming the lost ones, not a replay with a hole."""
+    keys = Keys(redis_config.prefix)
+    first = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05))
+    second = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05))
+    await first.start()
+    await second.start()
+    try:
+        msg = RequestMsg("r1", [1], {}, first.gateway_id, time.time(), MODEL_NAME)
+        record = StreamRecord("r1", first.gateway_id, b"{}", [1], 0, int(time.time() * 1000), "")
+        queue = await first.submit(msg, record)
+        out = keys.out(first.gateway_id)
+        await publish(client, out, ReplyBatch("w0", "inc", [("r1", token(0)), ("r1", token(1))]))
+        await until(lambda: queue.qsize() == 2)
+        await lose_state(client, redis_config.prefix)
+        await until_async(lambda: client.exists(keys.request("r1")), 5)
+        await publish(client, out, ReplyBatch("w0", "inc", [("r1", token(2))]))
+        resumed = await second.resume("r1")
+        error = await asyncio.wait_for(last(resumed.queue, EventKind.ERROR), 5)
+        assert error.error == "lost reply events 0..1"
+    finally:
+        await second.close()
+        await first.close()
+
+
+def token(index: int) -> ReplyEvent:
+    return ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66 + index])], index=index)
