@@ -1,6 +1,7 @@
 """A request's delivered replies read back from Redis: what a resuming engine continues from (its
 tokens so far) and what a resuming gateway replays to a reconnected client. Costs one GET and a scan of
-the gateway stream's tail since the last Progress checkpoint, never one read per token."""
+the gateway stream's tail since the last Progress checkpoint, never one read per token. Replies lost
+with Redis (restarted empty) leave a hole, which is noted (``hole_before``), never stepped over."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
