@@ -22,9 +22,7 @@ _PAGE = 512
 class Transcript:
     progress: Progress | None
     events: list[ReplyEvent] = field(default_factory=list)  # counted events after the checkpoint, in order
-    # The index of the first event found past a hole: the ones before it are gone (Redis restarted
-    # empty since they were published), so nothing can continue this transcript exactly.
-    hole_before: int | None = None
+    ahead: list[int] = field(default_factory=list)  # indices found before their turn (dropped)
 
     @property
     def next_index(self) -> int:
@@ -34,15 +32,20 @@ class Transcript:
     def finished(self) -> bool:
         return bool(self.events) and self.events[-1].finished
 
+    @property
+    def hole_before(self) -> int | None:
+        """The first index found past a hole in an unfinished transcript: the events before it are gone
+        (Redis restarted empty since they were published), so nothing continues it exactly."""
+        past = [i for i in self.ahead if i > self.next_index]
+        return None if self.finished or not past else min(past)
+
     def add(self, event: ReplyEvent) -> None:
         """Keeps the next event in sequence; drops duplicates (a retried publish, two engines for a moment)
-        and notes a hole (an engine publishes a request's events in index order, so a later one never fills it)."""
-        if self.hole_before is not None:
-            return
+        and notes those ahead of their turn."""
         if event.index == self.next_index:
             self.events.append(event)
         elif event.index > self.next_index:
-            self.hole_before = event.index
+            self.ahead.append(event.index)
 
     def choices(self, n: int) -> tuple[list[list[int]], list[str | None]]:
         """Each choice's delivered tokens and finish reason (None while it runs)."""

@@ -21,6 +21,7 @@ from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, Heartbeat, 
 from service.redis_gateway import RedisGatewayBroker
 from service.redis_keys import RESUMES, Keys
 from service.redis_worker import RedisWorkerBroker
+from service.transcript import Transcript
 from tests.service.conftest import MODEL_NAME, engine_stats, running, until
 from tests.service.fake_engine import FakeEngine
 from tests.service.test_worker_redis import GATEWAY, beat_gateway, make_worker, submit, tokens, until_async
@@ -301,3 +302,18 @@ async def test_a_resume_after_the_loss_cannot_replay_the_lost_replies(redis_conf
 
 def token(index: int) -> ReplyEvent:
     return ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66 + index])], index=index)
+
+
+def test_a_transcript_notes_a_hole_only_where_it_cannot_be_continued() -> None:
+    lost = Transcript(None)
+    for index in (3, 4):  # only the events published after the loss are left
+        lost.add(token(index))
+    assert lost.hole_before == 3 and lost.next_index == 0
+    late = Transcript(None)
+    for index in (0, 2, 1):  # out of order for a moment (two engines), the end still reachable
+        late.add(token(index))
+    assert late.hole_before is None and late.next_index == 2
+    done = Transcript(None)
+    for event in (token(0), ReplyEvent(EventKind.OUTPUT, "w0", "inc", [], finished=True, index=1), token(5)):
+        done.add(event)
+    assert done.finished and done.hole_before is None
