@@ -16,8 +16,9 @@ counts the requests a resume may have carried, an upper bound), hung (no end wit
 deadline), and the tokens duplicated and lost: each completed text is diffed with its undisturbed
 one (a failed request's partial text with the undisturbed prefix), counted in characters of text
 (the demo tokenizer is byte-level: a character is one token for ASCII). A Redis restart loses the
-queue (no persistence), so the requests in flight then may fail, with an error, by design; none may
-hang or show wrong text.
+queue and every record (no persistence); workers and gateways write back what they hold, so requests in
+flight complete, except one whose engine dies before its first checkpoint after the restart (an error,
+never a hang or wrong text). New requests sent before any engine beat again are refused with a 503.
 ``--png`` draws a timeline (completions and failures per second, the faults as lines).
 """
 from __future__ import annotations

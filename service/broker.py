@@ -10,7 +10,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import (ConnectionError as RedisConnectionError, RedisError, ResponseError,
+                              TimeoutError as RedisTimeoutError)
 
 from service.broker_api import BrokerUnavailable
 from service.config import RedisConfig
@@ -35,14 +36,17 @@ def acl_rules(prefix: str) -> str:
 def connect(config: RedisConfig, blocking: bool = False, retries: int = 0) -> aioredis.Redis:
     """A client; a blocking one gets a socket timeout just above the block time. redis-py retries a
     command ``retries`` times on a connection error or timeout (none by default: a retried XADD or
-    pipeline whose first try landed runs twice, so only callers whose commands are idempotent ask)."""
+    pipeline whose first try landed runs twice, so only callers whose commands are idempotent ask); also
+    on uvloop's RuntimeError, a pooled connection whose peer reset it (a Redis restart, a proxy)."""
     timeout = config.block_ms / 1000 + 1.0 if blocking else COMMAND_TIMEOUT_S
     # A blocking pool: at its cap a command waits (up to the command timeout) for a free connection,
     # where the default pool raises MaxConnectionsError at once and a burst of requests would get 503s.
     pool = aioredis.BlockingConnectionPool.from_url(
         config.url, max_connections=config.max_connections, timeout=COMMAND_TIMEOUT_S, socket_timeout=timeout,
         socket_connect_timeout=COMMAND_TIMEOUT_S, protocol=2, decode_responses=False,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries), **config.connection_options())
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries,
+                    (RedisConnectionError, RedisTimeoutError, RuntimeError)),
+        **config.connection_options())
     return aioredis.Redis.from_pool(pool)
 
 

@@ -110,6 +110,7 @@ class WorkerBroker(Protocol):
 
     engine_id: str
     incarnation: str  # of this process: a restarted engine keeps its id, not its incarnation
+    lost_state: bool  # the broker may have lost this engine's claims (Redis restarted empty): see taken_over
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -110,6 +110,7 @@ class MemoryWorkerBroker:
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
+        self.lost_state = False  # the bus never loses its state
 
     async def start(self) -> None:
         pass

@@ -1,19 +1,30 @@
 """A gateway's side of the Redis broker (key layout in ``service.redis_keys``): submissions batched into
 pipelines, one blocking reader over this gateway's out stream (and the out streams of the gateways whose
 requests clients resumed here), the engines' heartbeats read and this gateway's own written, and the
-replay of a request's replies for an SSE resume."""
+replay of a request's replies for an SSE resume.
+
+Redis restarted without persistence loses the queue and every record, not the requests: this gateway
+keeps what it submitted while the request lives. When its beat finds its own key gone, it writes its
+StreamRecords again (SET NX) and, one beat later (time for the engines to re-assert the requests they
+run), re-submits those no engine has accepted: a request an engine still owns is dropped as a
+duplicate there, one whose entry was lost is queued again. The accepted ones have no queue entry left
+for another engine to claim should theirs die: if one does, the request is queued again marked as a
+resume (``RESUMES``), and the engine that takes it continues from the transcript."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
+
+from redis.asyncio.client import Pipeline
 
 from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect
 from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
-from service.redis_keys import Keys, split_consumer
+from service.redis_keys import RESUMES, Keys, split_consumer
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import read_transcript
@@ -43,6 +54,11 @@ class RedisGatewayBroker(ReplyRouter):
         self._cursors: dict[str, bytes] = {}  # out stream -> the last entry read from it
         self._adopted: dict[str, str] = {}  # request id -> the gateway whose out stream carries it
         self._submits: list[_Submit] = []
+        self._submitted: dict[str, _Submit] = {}  # request id -> its submission, while it lives here
+        self._restore_due = False  # this gateway's beat key was gone: Redis may have lost its records
+        self._resubmit: list[str] = []  # not accepted when Redis lost its state: queued again at the next beat
+        self._entry_lost: set[str] = set()  # accepted when Redis lost its state: no queue entry left
+        self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -90,6 +106,8 @@ class RedisGatewayBroker(ReplyRouter):
         except BrokerUnavailable:
             self.release(msg.request_id)
             raise
+        if msg.request_id in self._subs:  # not ended while it was being queued
+            self._submitted[msg.request_id] = item
         return queue
 
     async def _flush_submits(self) -> None:
@@ -99,8 +117,7 @@ class RedisGatewayBroker(ReplyRouter):
             batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
             pipe = self._client.pipeline(transaction=False)
             for item in batch:
-                pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
-                pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+                self._queue(pipe, item)
             try:
                 await pipe.execute()
                 error = None
@@ -111,6 +128,10 @@ class RedisGatewayBroker(ReplyRouter):
                     item.done.set_result(None)
                 else:
                     item.done.set_exception(error)
+
+    def _queue(self, pipe: Pipeline, item: _Submit) -> None:
+        pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+        pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
 
     # ---- abort ------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -168,6 +189,9 @@ class RedisGatewayBroker(ReplyRouter):
             self.release(request_id)
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
         self.replay(request_id, transcript.events)
+        if transcript.hole_before is not None and (sub := self._subs.get(request_id)) is not None:
+            # Without it the stream would wait for events that never come (a request that finished).
+            self._end(request_id, sub, f"lost reply events {sub.expected}..{transcript.hole_before - 1}", 500)
         return Resumed(record, queue)
 
     async def _follow(self, request_id: str, gateway_id: str) -> None:
@@ -182,6 +206,8 @@ class RedisGatewayBroker(ReplyRouter):
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
+        self._submitted.pop(request_id, None)
+        self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
             self._cursors.pop(self._keys.out(gateway_id), None)
@@ -235,15 +261,74 @@ class RedisGatewayBroker(ReplyRouter):
         return {i: b for i, b in zip(ids, beats) if b is not None}
 
     async def _beat(self) -> None:
-        """This gateway is alive, and serves the requests it adopted: engines keep them running."""
+        """This gateway is alive, and serves the requests it adopted: engines keep them running. Its key
+        found gone (Redis restarted empty, or it expired) starts the recovery of the requests it submitted."""
         beat = GatewayBeat(self.gateway_id, sorted(self._adopted))
         try:
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._keys.gateway(self.gateway_id), encode(beat), px=int(self.config.gateway_ttl_s * 1000))
+            pipe.set(self._keys.gateway(self.gateway_id), encode(beat), px=int(self.config.gateway_ttl_s * 1000),
+                     get=True)
             pipe.sadd(self._keys.gateways, self.gateway_id)
-            await pipe.execute()
+            previous, _ = await pipe.execute()
+            await self._requeue()
+            await self._requeue_orphans()
+            self._restore_due |= previous is None
+            if self._restore_due:
+                await self._restore()
         except BROKER_ERRORS as exc:
             log.debug("gateway heartbeat failed: %s", type(exc).__name__)
+
+    async def _restore(self) -> None:
+        """Writes the live requests' StreamRecords again (SET NX); of those that were lost, the ones no
+        engine accepted are queued again at the next beat, once the engines that run them had a beat's
+        time to re-assert them."""
+        pipe = self._client.pipeline(transaction=False)
+        for item in self._submitted.values():
+            pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+        # A record written again was lost with its queue entry (an expiry of this gateway's beat alone,
+        # in a stall, loses neither).
+        written = await pipe.execute() if self._submitted else []
+        lost = {rid for rid, again in zip(self._submitted, written) if again}
+        if lost:  # the out streams are new too: a clock behind the old one's gives ids below the cursors
+            self._cursors = dict.fromkeys(self._cursors, b"0-0")
+        self._resubmit = [item.request_id for item in self._unaccepted(list(lost))]
+        self._entry_lost |= lost - set(self._resubmit)
+        self._restore_due, self._restored_at = False, time.monotonic()
+
+    async def _requeue(self) -> None:
+        if items := self._unaccepted(self._resubmit):
+            pipe = self._client.pipeline(transaction=False)
+            for item in items:
+                self._queue(pipe, item)
+            await pipe.execute()
+            log.warning("Redis lost its state: queued %d requests again", len(items))
+        self._resubmit = []
+
+    async def _requeue_orphans(self) -> None:
+        """Queues again, marked as a resume, each request of ``_entry_lost`` whose engine has been gone for a
+        third of the resume deadline, counted from the loss at the earliest (a live engine beats again well
+        within that). Only when its transcript is whole: a checkpoint written since the loss, or nothing
+        delivered before."""
+        since = time.monotonic() - self.config.resume_deadline_s / 3
+        due = [rid for rid in self._entry_lost if (sub := self._subs.get(rid)) is not None
+               and sub.lost_since is not None and max(sub.lost_since, self._restored_at) <= since]
+        if not due:
+            return
+        checkpoints = await self._client.mget([self._keys.progress(rid) for rid in due])
+        whole = [self._submitted[rid] for rid, checkpoint in zip(due, checkpoints)
+                 if checkpoint is not None or self._subs[rid].expected == 0]
+        pipe = self._client.pipeline(transaction=False)
+        for item in whole:
+            pipe.xadd(self._keys.requests(item.model), {"p": item.payload, RESUMES: b""})
+        await pipe.execute()
+        self._entry_lost -= set(due)
+        log.warning("%d requests lost their engine after Redis lost its state: %d queued again to resume, "
+                    "%d without a checkpoint fail at the resume deadline", len(due), len(whole), len(due) - len(whole))
+
+    def _unaccepted(self, request_ids: list[str]) -> list[_Submit]:
+        """The submissions of these requests that are still live here and that no engine has accepted."""
+        return [item for rid in request_ids
+                if (item := self._submitted.get(rid)) and (sub := self._subs.get(rid)) and sub.owner is None]
 
 
 def _owner(consumer: bytes | None) -> tuple[str, str] | None:

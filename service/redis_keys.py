@@ -2,7 +2,9 @@
 
   {p}:requests:{model}  stream of RequestMsg for one served model, consumer group "engines" (each engine
                         process reads as consumer "{engine_id}/{incarnation}"); an entry is acked (and
-                        deleted) only when its request has finished
+                        deleted) only when its request has finished; field "p" holds the RequestMsg, and
+                        an entry with field RESUMES is a gateway's re-queue of a request whose entry Redis
+                        lost (restarted empty) and whose engine died: taken over, not dropped as a duplicate
   {p}:out:{gateway}     a gateway's reply stream: one ReplyBatch entry (field "b") per engine step, trimmed to the
                         reply retention window; any gateway may read it (to resume a client's stream)
   {p}:request:{id}      StreamRecord, written by the gateway at submission, kept the retention window
@@ -18,6 +20,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+RESUMES = "resumes"  # a request-stream field: the entry re-queues a request whose engine died (see above)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,13 @@
 - Reclaim: the pending entries of dead consumers (their engine's heartbeat is gone or names another
   incarnation) are taken over with XCLAIM (atomic: once claimed, a second claimer's min-idle fails)
   and come back with their transcript, so the worker resumes them where the dead engine stopped.
+- Redis restarted empty (no persistence): the next heartbeat finds this engine's beat key gone and sets
+  ``lost_state``; the worker then re-asserts ownership of what it runs (``taken_over``: SET owner NX, so a
+  request another engine claimed meanwhile is dropped here) and re-writes its checkpoints. The gateways
+  re-submit what no engine had accepted; a re-submitted entry of a request re-owned here is a duplicate.
+  A request whose engine died after the loss has no entry left to reclaim: its gateway queues it again
+  marked ``RESUMES``, and the engine that pulls it takes it over (transcript and all) if the owner is
+  dead, or drops it as a duplicate if the owner lives.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from service.broker_api import Pulled, Reply, RequestHandle, read_request, rows_
 from service.config import RedisConfig
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, SchemaError, StreamRecord, decode, encode,
                               pack_batch)
-from service.redis_keys import Keys, consumer_name, split_consumer
+from service.redis_keys import RESUMES, Keys, consumer_name, split_consumer
 from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,9 @@ class RedisWorkerBroker:
         self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
         self._expire_due: dict[str, float] = {}  # gateway id -> when its out stream's TTL is renewed next
         self._recover = False  # a read failed: Redis may have delivered entries that never arrived
+        # The beat key was gone (Redis restarted empty, or it expired in a stall): the owner keys of the
+        # requests this engine runs may be gone or another engine's; ``taken_over`` settles it.
+        self.lost_state = False
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
@@ -116,24 +126,39 @@ class RedisWorkerBroker:
 
     async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
         """Each request's owner key, set if absent: one already set is a duplicate entry's (or, with
-        ``mine_ok``, this consumer's own claim from a read whose reply was lost)."""
+        ``mine_ok``, this consumer's own claim from a read whose reply was lost), unless the entry is a
+        gateway's re-queue (field RESUMES) and that owner is dead: then the request is taken over."""
         pulled = [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
         readable = [p for p in pulled if p.msg is not None]
         if not readable:
             return pulled
-        pipe = self._client.pipeline(transaction=False)
-        for p in readable:
-            pipe.set(self._keys.owner(p.msg.request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
-        owners = await pipe.execute()
+        owners = await self._own([p.msg.request_id for p in readable])
         me = self.consumer.encode()
+        requeued = {entry_id for entry_id, fields in entries if RESUMES.encode() in fields}
+        orphans = await self._of_dead_owners([(p, old) for p, old in zip(readable, owners)
+                                              if p.handle.entry_id in requeued and old != me])
         duplicates = {p.handle.entry_id for p, old in zip(readable, owners)
-                      if old is not None and not (mine_ok and old == me)}
+                      if old is not None and not (mine_ok and old == me)} - {p.handle.entry_id for p in orphans}
+        await self._take_over(orphans)
         if duplicates:
             log.warning("dropping %d duplicated request entries", len(duplicates))
             await self._drop(*duplicates)
         kept = [p for p in pulled if p.handle.entry_id not in duplicates]
         self._running.update(p.handle.entry_id for p in kept if p.msg is not None)
         return kept
+
+    async def _of_dead_owners(self, claimed: list[tuple[Pulled, bytes | None]]) -> list[Pulled]:
+        """Those whose owner before (None: its key was lost too) is not a live engine's consumer."""
+        owners = [split_consumer(old.decode()) if old else ("", "") for _, old in claimed]
+        beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners]) if owners else []
+        return [p for (p, _), (_, incarnation), beat in zip(claimed, owners, beats) if not _alive(beat, incarnation)]
+
+    async def _own(self, request_ids: list[str]) -> list[bytes | None]:
+        """Sets each request's owner key to this consumer where it is absent; the owners before."""
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.set(self._keys.owner(request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
+        return await pipe.execute()
 
     async def _drop(self, *entry_ids: bytes) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -232,24 +257,32 @@ class RedisWorkerBroker:
         for p in pulled:
             p.deliveries = deliveries.get(p.handle.entry_id, 1)
             self._running.add(p.handle.entry_id)
-        resumable = [p for p in pulled if p.msg is not None]
-        if resumable:
-            pipe = self._client.pipeline(transaction=False)
-            for p in resumable:
-                pipe.set(self._keys.owner(p.msg.request_id), self.consumer, ex=UNFINISHED_TTL_S)
-            await pipe.execute()
-        for p in resumable:
-            p.resume = await read_transcript(self._client, self._keys, _record_of(p))
+        await self._take_over([p for p in pulled if p.msg is not None])
         log.info("claimed %d requests of dead consumer %s", len(pulled), consumer)
         return pulled
+
+    async def _take_over(self, pulled: list[Pulled]) -> None:
+        """Owner keys set to this consumer, and each request's transcript read: the engine resumes it."""
+        if not pulled:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for p in pulled:
+            pipe.set(self._keys.owner(p.msg.request_id), self.consumer, ex=UNFINISHED_TTL_S)
+        await pipe.execute()
+        for p in pulled:
+            p.resume = await read_transcript(self._client, self._keys, _record_of(p))
 
     @_unavailable_on_error
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
         """Those of these requests whose owner key names another consumer now: another engine resumed them
-        while this one looked dead."""
-        if not handles:
-            return []
-        owners = await self._client.mget([self._keys.owner(h.request_id) for h in handles])
+        while this one looked dead. A missing owner key (Redis restarted empty) is no other engine's claim:
+        it is set again, so a re-submitted entry of the request is dropped as a duplicate, not run twice."""
+        self.lost_state = False  # before the round trip: a beat that finds its key gone meanwhile sets it again
+        try:
+            owners = await self._own([h.request_id for h in handles]) if handles else []
+        except BaseException:
+            self.lost_state = True
+            raise
         me = self.consumer.encode()
         lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
         self._running.difference_update(h.entry_id for h in lost)
@@ -265,9 +298,11 @@ class RedisWorkerBroker:
     @_unavailable_on_error
     async def heartbeat(self, beat: Heartbeat) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms)
+        pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
-        await pipe.execute()
+        previous, _ = await pipe.execute()
+        if previous is None:  # the first beat, an expiry, or Redis restarted empty
+            self.lost_state = True
 
 
 def _alive(beat: bytes | None, incarnation: str) -> bool:

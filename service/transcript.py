@@ -1,6 +1,7 @@
 """A request's delivered replies read back from Redis: what a resuming engine continues from (its
 tokens so far) and what a resuming gateway replays to a reconnected client. Costs one GET and a scan of
-the gateway stream's tail since the last Progress checkpoint, never one read per token."""
+the gateway stream's tail since the last Progress checkpoint, never one read per token. Replies lost
+with Redis (restarted empty) leave a hole, which is noted (``hole_before``), never stepped over."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ _PAGE = 512
 class Transcript:
     progress: Progress | None
     events: list[ReplyEvent] = field(default_factory=list)  # counted events after the checkpoint, in order
+    ahead: list[int] = field(default_factory=list)  # indices found before their turn (dropped)
 
     @property
     def next_index(self) -> int:
@@ -30,10 +32,20 @@ class Transcript:
     def finished(self) -> bool:
         return bool(self.events) and self.events[-1].finished
 
+    @property
+    def hole_before(self) -> int | None:
+        """The first index found past a hole in an unfinished transcript: the events before it are gone
+        (Redis restarted empty since they were published), so nothing continues it exactly."""
+        past = [i for i in self.ahead if i > self.next_index]
+        return None if self.finished or not past else min(past)
+
     def add(self, event: ReplyEvent) -> None:
-        """Keeps the next event in sequence; drops duplicates (a retried publish, two engines for a moment)."""
+        """Keeps the next event in sequence; drops duplicates (a retried publish, two engines for a moment)
+        and notes those ahead of their turn."""
         if event.index == self.next_index:
             self.events.append(event)
+        elif event.index > self.next_index:
+            self.ahead.append(event.index)
 
     def choices(self, n: int) -> tuple[list[list[int]], list[str | None]]:
         """Each choice's delivered tokens and finish reason (None while it runs)."""

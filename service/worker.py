@@ -190,8 +190,10 @@ class Worker:
 
     async def _taken_over(self, events: Published) -> set[str]:
         """After a gap in the beats longer than their TTL (a hung step, Redis out of reach), other engines may
-        have resumed some of this one's requests: those are dropped here, their replies unpublished."""
-        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s:
+        have resumed some of this one's requests: those are dropped here, their replies unpublished. After
+        Redis lost its state (restarted empty), ownership of the rest is re-asserted and their checkpoints
+        are written again at the next interval."""
+        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s and not self.broker.lost_state:
             return set()
         handles = {h.request_id: h for h, _ in self._outbox + events}
         handles |= {rid: run.handle for rid, run in self._owned.items()}
@@ -199,6 +201,8 @@ class Worker:
             lost = {h.request_id for h in await self.broker.taken_over(list(handles.values()))}
         except BrokerUnavailable:
             return set()
+        for run in self._owned.values():
+            run.checkpointed = -1
         if lost:
             log.warning("%d requests were resumed by other engines while this one stalled: dropping them", len(lost))
             self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
