@@ -8,6 +8,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import fields
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer
 from engine import EngineConfig, LLMEngine
 from engine.demo_model import write_demo_model
 from engine.stats import EngineStats
-from service.config import GatewayConfig, WorkerConfig
+from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
 from service.flags import config_argv
 from service.local_stack import LocalStack
@@ -70,6 +71,12 @@ def local_stack(model: str, num_workers: int, num_gateways: int) -> LocalStack:
 def redis_url() -> Iterator[str]:
     with LocalStack() as redis_only:
         yield redis_only.redis_url
+
+
+@pytest.fixture
+def redis_config(redis_url: str) -> RedisConfig:
+    """A fresh key prefix per test on the session's redis-server."""
+    return RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=50)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -25,11 +24,6 @@ from service.transcript import Transcript
 from tests.service.conftest import MODEL_NAME, engine_stats, running, until
 from tests.service.fake_engine import FakeEngine
 from tests.service.test_worker_redis import GATEWAY, beat_gateway, make_worker, submit, tokens, until_async
-
-
-@pytest.fixture
-def redis_config(redis_url: str) -> RedisConfig:
-    return RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=50)
 
 
 @pytest.fixture
@@ -169,10 +163,7 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
     gateway = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05))
     await gateway.start()
     try:
-        queues = {}
-        for rid in ("r1", "r2"):
-            msg = RequestMsg(rid, [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
-            queues[rid] = await gateway.submit(msg, StreamRecord(rid, gateway.gateway_id, b"{}", [1], 0, 0, ""))
+        queues = await submit_two(gateway)
         accepted = ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)
         await publish(client, keys.out(gateway.gateway_id), ReplyBatch("w0", "inc", [("r1", accepted)]))
         assert (await asyncio.wait_for(queues["r1"].get(), 5)).kind is EventKind.ACCEPTED
@@ -205,6 +196,15 @@ async def test_a_gateway_whose_beat_expired_alone_queues_nothing_again(redis_con
         assert await queued_requests(client, keys) == ["r1"]
     finally:
         await gateway.close()
+
+
+async def submit_two(gateway: RedisGatewayBroker) -> dict[str, asyncio.Queue[ReplyEvent]]:
+    """Requests r1 and r2, submitted through ``gateway``: their reply queues."""
+    queues = {}
+    for rid in ("r1", "r2"):
+        msg = RequestMsg(rid, [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
+        queues[rid] = await gateway.submit(msg, StreamRecord(rid, gateway.gateway_id, b"{}", [1], 0, 0, ""))
+    return queues
 
 
 async def queued_requests(client: aioredis.Redis, keys: Keys) -> list[str]:
@@ -246,10 +246,7 @@ async def test_a_gateway_requeues_as_a_resume_a_request_whose_engine_died_after_
     gateway = RedisGatewayBroker(GatewayConfig(redis=redis_config, engine_poll_s=0.05, resume_deadline_s=0.6))
     await gateway.start()
     try:
-        queues = {}
-        for rid in ("r1", "r2"):
-            msg = RequestMsg(rid, [1], {}, gateway.gateway_id, time.time(), MODEL_NAME)
-            queues[rid] = await gateway.submit(msg, StreamRecord(rid, gateway.gateway_id, b"{}", [1], 0, 0, ""))
+        queues = await submit_two(gateway)
         events = [("r1", ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)),
                   ("r2", ReplyEvent(EventKind.ACCEPTED, "w0", "inc", index=CONTROL_INDEX)),
                   ("r2", ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66])], index=0))]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,11 +22,6 @@ from tests.service.conftest import MODEL_NAME, running, until
 from tests.service.fake_engine import BOOM_ON_STEP, FAIL_ON_STEP, FakeEngine
 
 GATEWAY = "gw1"
-
-
-@pytest.fixture
-def redis_config(redis_url: str) -> RedisConfig:
-    return RedisConfig(url=redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", block_ms=50)
 
 
 @pytest.fixture
