@@ -229,7 +229,8 @@ void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, in
 template <typename S, typename O = typename S::T, typename T = typename S::T>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
          std::vector<RowBest::Result>* chunks = nullptr) {
-  const int64_t out_features = y.size(1), panels = packed.size(0), panel_numel = packed[0].numel();
+  const int64_t out_features = y.size(1), panels = packed.size(0),
+                panel_numel = packed.size(1) * packed.size(2);  // not packed[0].numel(): a tensor per call
   const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
   const T* pk = packed.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
