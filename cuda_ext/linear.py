@@ -26,9 +26,10 @@ class PackedLinear:
         return y.view(*x.shape[:-1], self.out_features)
 
     def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(self(x), each row's argmax)`` for 2-D fp32 ``x``, the argmax taken inside the GEMM (the LM head's
-        greedy tokens without a second pass over the logits); ``(self(x), None)`` for other inputs."""
-        if x.dtype != torch.float32 or x.dim() != 2:
+        """``(self(x).float(), each row's argmax)`` for 2-D ``x``, the argmax taken inside the GEMM and the
+        logits written in fp32 there (the LM head's greedy tokens and sampler input without a second pass
+        over the logits; bf16 layers give their bf16-rounded values); ``(self(x), None)`` for other inputs."""
+        if x.dim() != 2:
             return self(x), None
         return torch.ops.pagedserve.skinny_linear_argmax(x, self.packed, self.bias, self.out_features)
 

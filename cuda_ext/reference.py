@@ -136,6 +136,7 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """skinny_linear's y and each row's argmax (the compiled op takes it inside the GEMM)."""
-    y = skinny_linear(x, packed, bias, out_features)
+    """skinny_linear's y widened to fp32 (bf16 layers: their rounded values) and each row's argmax (the
+    compiled op takes it inside the GEMM)."""
+    y = skinny_linear(x, packed, bias, out_features).float()
     return y, row_argmax(y)

@@ -19,8 +19,10 @@ and generates its longest output; only the requested tokens count as useful.
 
 Every peer gets its best configuration: static batching tries ``--batch-sizes``, continuous batching
 ``--hf-page-sizes`` (with a KV cache sized to hold every request at once, a warm-up batch before timing and
-no automatic attention switch; see ``hf_continuous_config``); the best is kept, and each result stores its
-configuration (``config``: the settings, and every setting tried with its throughput) and a one-line ``detail``.
+no automatic attention switch; see ``hf_continuous_config``) at each of ``--hf-threads`` torch threads (its
+oneDNN GEMMs run in an OpenMP team, which can do worse with 2 threads than 1 when the cores are shared); the
+best is kept, and each result stores its configuration (``config``: the settings, and every setting tried with
+its throughput) and a one-line ``detail``.
 
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
@@ -215,18 +217,26 @@ def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
 def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
     tokens = sum(r.output_len for r in requests)
     runs = {}
-    for page_size in args.hf_page_sizes:
-        runs[page_size] = bench_hf_continuous(hf_model, requests, page_size, HF_MAX_BATCH_TOKENS)
-        print(f"   (hf-continuous page size {page_size}: {tokens / runs[page_size][0]:.1f} tok/s)", flush=True)
-    best = min(runs, key=lambda p: runs[p][0])
+    for threads in args.hf_threads:
+        torch.set_num_threads(threads)
+        for page_size in args.hf_page_sizes:
+            runs[threads, page_size] = bench_hf_continuous(hf_model, requests, page_size, HF_MAX_BATCH_TOKENS)
+            print(f"   (hf-continuous {threads} threads, page size {page_size}: "
+                  f"{tokens / runs[threads, page_size][0]:.1f} tok/s)", flush=True)
+    torch.set_num_threads(args.threads)
+    best_threads, best = min(runs, key=lambda key: runs[key][0])
     config = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS)
-    return Measured(runs[best], f"best page size {best} of {args.hf_page_sizes}; num_blocks={config.num_blocks}, "
-                    f"max_batch_tokens={config.max_batch_tokens}, max_requests_per_batch={config.max_requests_per_batch}"
-                    ", auto_switch_to_flash=False, sdpa, warmed up",
-                    dict(page_size=best, num_blocks=config.num_blocks, max_batch_tokens=config.max_batch_tokens,
+    return Measured(runs[best_threads, best],
+                    f"best of threads {args.hf_threads} x page sizes {args.hf_page_sizes}: {best_threads} threads, "
+                    f"page size {best}; num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
+                    f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, sdpa, "
+                    "warmed up",
+                    dict(threads=best_threads, page_size=best, num_blocks=config.num_blocks,
+                         max_batch_tokens=config.max_batch_tokens,
                          max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
                          attn_implementation="sdpa", warmed_up=True,
-                         tried_tok_s={p: round(tokens / w, 1) for p, (w, _) in runs.items()}))
+                         tried_tok_s={f"{t} threads, page {p}": round(tokens / w, 1)
+                                      for (t, p), (w, _) in runs.items()}))
 
 
 def median_run(runs: list[Measured]) -> Measured:
@@ -307,6 +317,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,16,32", help="static batching sizes to try (best is kept)")
     parser.add_argument("--hf-page-sizes", default="64,256",
                         help="transformers continuous batching page sizes to try (best is kept)")
+    parser.add_argument("--hf-threads", default=None,
+                        help="torch threads to try for transformers continuous batching (best is kept; "
+                             "default: 1 and --threads)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
@@ -320,6 +333,7 @@ def main() -> None:
     args.workloads = args.workloads.split(",")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.hf_page_sizes = [int(p) for p in args.hf_page_sizes.split(",")]
+    args.hf_threads = sorted({int(t) for t in (args.hf_threads or f"1,{args.threads}").split(",")})
     torch.set_num_threads(args.threads)
     results: list[Result] = []
     for name in args.models.split(","):

@@ -53,8 +53,8 @@ class ParallelLMHead(Linear):
         return None if logits is None else logits[..., :self.vocab_size]
 
     def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(self(x), each row's argmax)``, the argmax fused into the packed GEMM where it can be (one rank,
-        fp32), else None: the sampler then takes it from the logits."""
+        """``(logits, each row's argmax)``, the argmax fused into the packed GEMM where it can be (one rank;
+        the logits then come out in fp32), else None: the sampler then takes it from the logits."""
         if self.tp.size == 1 and self.packed is not None:
             return self.packed.with_argmax(x)
         return self(x), None

@@ -64,3 +64,26 @@ def test_load_packs_linears_and_releases_unpacked_weights(tmp_path, arch):
     x = torch.randn(3, model.lm_head.in_features)
     hf_head = checkpoint.hf_model.lm_head.weight
     torch.testing.assert_close(model.lm_head(x), x @ hf_head.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_tied_lm_head_gives_fp32_logits_and_their_argmax(tmp_path):
+    """A packed bf16 LM head (tied to the embedding, as in Qwen2) returns its bf16 logits widened to fp32 and
+    their argmax, from one GEMM: what ``.float()`` and torch.argmax of the plain layer's output give."""
+    from engine.loader import load_model
+    from engine.models.config import read_model_config
+
+    from .conftest import build_checkpoint
+
+    if not torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16) or cuda_ext.linear.has_amx_bf16():
+        pytest.skip("bf16 layers stay on F.linear here (no AVX512-BF16, or AMX)")
+    checkpoint = build_checkpoint("qwen2", tmp_path)
+    model = load_model(read_model_config(checkpoint.path), torch.device("cpu"), torch.bfloat16,
+                       cuda_ext.load_ops("ext"), False)
+    assert model.lm_head.packed is not None and model.lm_head.weight is model.model.embed_tokens.weight
+    hidden = torch.randn(5, model.lm_head.in_features).bfloat16()
+    logits, argmax = model.compute_logits(hidden)
+    plain = model.lm_head(hidden)
+    assert plain.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(logits, plain.float()) and torch.equal(argmax, plain.argmax(-1))
+    hf_logits = checkpoint.hf_model.lm_head.to(torch.bfloat16)(hidden)  # oneDNN's GEMM: rounding may differ
+    torch.testing.assert_close(logits, hf_logits.float(), rtol=2 ** -7, atol=2 ** -7)

@@ -79,27 +79,57 @@ def test_fused_argmax_is_torch_argmax(ext_ops, threads, rows, in_features, out_f
         torch.set_num_threads(previous)
 
 
-def test_fused_argmax_ties_nan_and_inf(ext_ops):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_argmax_ties_nan_and_inf(ext_ops, dtype):
     """The first maximum wins, in any panel or lane; a NaN counts as the maximum (the first one); -inf rows."""
+    skip_without_bf16(dtype)
     x, weight, _ = random_layer(5, 64, 200, 11, bias=False)
     weight[150], weight[199], weight[67] = weight[3], weight[3], weight[3]  # ties across panels and lanes
+    x, weight = x.to(dtype), weight.to(dtype)
     packed = torch.ops.pagedserve.pack_linear_weight(weight)
     ninf = torch.full((200,), float("-inf"))
     biases = [None, torch.zeros(200).index_fill_(0, torch.tensor([70, 190]), float("nan")),
               ninf, ninf.clone().index_fill_(0, torch.tensor([199]), 1.0)]
     for bias in biases:
+        bias = None if bias is None else bias.to(dtype)
         y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, bias, 200)
         assert torch.equal(idx, y.argmax(-1))
     assert idx.tolist() == [199] * 5
-    with pytest.raises(RuntimeError, match="fp32 only"):
-        torch.ops.pagedserve.skinny_linear_argmax(x.bfloat16(), packed.bfloat16(), None, 200)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 896, 5000), (16, 64, 2000), (7, 37, 100),
+                                                            (65, 64, 17), (6, 129, 1000)])
+def test_bf16_fused_argmax_is_argmax_of_bf16_logits(ext_ops, threads, rows, in_features, out_features):
+    """A bf16 layer's fused logits are its bf16 output widened to fp32 (what the model's ``.float()`` gives),
+    and the argmax is torch.argmax over them (bf16 rounding makes ties common: the first one wins)."""
+    skip_without_bf16(torch.bfloat16)
+    x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))
+    weight[out_features - 1] = weight[out_features // 2]  # an exact tie, late in the row
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, b, out_features)
+            logits = torch.ops.pagedserve.skinny_linear(x, packed, b, out_features)
+            assert y.dtype == torch.float32 and torch.equal(y, logits.float())
+            assert torch.equal(idx, logits.argmax(-1))
+            ref_y, ref_idx = reference.skinny_linear_argmax(x, packed, b, out_features)
+            assert ref_y.dtype == torch.float32 and torch.equal(ref_idx, ref_y.argmax(-1))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def skip_without_bf16(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16):
+        pytest.skip("this build has no bf16 skinny GEMM (CPU without AVX512-BF16)")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 18, 64, 130])
 @pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17)])
 def test_bf16_matches_fp32_math(ext_ops, rows, in_features, out_features):
-    if not torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16):
-        pytest.skip("this build has no bf16 skinny GEMM (CPU without AVX512-BF16)")
+    skip_without_bf16(torch.bfloat16)
     x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))
     packed = torch.ops.pagedserve.pack_linear_weight(weight)
     assert torch.equal(packed, reference.pack_linear_weight(weight, panel=packed.shape[2] // 2))

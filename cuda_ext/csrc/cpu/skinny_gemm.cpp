@@ -9,6 +9,8 @@
 //
 // skinny_linear_argmax also returns each row's argmax (the LM head's greedy token), taken from each
 // output tile while it is in L1: a separate pass over [64, 32000] logits reads them back from L3 (~0.35 ms).
+// Its logits are fp32: for bf16 layers, the bf16-rounded values widened (what the model's bf16 logits
+// give after .float(), without a second pass over [rows, vocab] to convert them).
 //
 // bf16 (builds for AVX512-BF16 CPUs only): a panel is [ceil(K / 2), kPanel, 2], k
 // pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
@@ -59,7 +61,8 @@ struct F32Step {
   static constexpr int64_t kDepth = 1;  // k values per step
   static Acc zero() { return Vec(0.f); }
   static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
-  static Operand broadcast(const T* row, int64_t k, int64_t) { return Vec(row[k]); }
+  static Operand broadcast(const T* row, int64_t k) { return Vec(row[k]); }
+  static Operand broadcast_last(const T* row, int64_t k) { return broadcast(row, k); }
   static Acc madd(Acc acc, Operand a, Operand w) { return at::vec::fmadd(a, w, acc); }
   static void store(float* out, Acc acc) { acc.store(out); }
 };
@@ -74,16 +77,33 @@ struct Bf16Step {
   static Operand weights(const T* panel, int64_t k, int64_t v) {
     return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
   }
-  // x[r, k], x[r, k + 1] as one 32-bit lane; past an odd K the pair ends in zero.
-  static Operand broadcast(const T* row, int64_t k, int64_t k_len) {
-    uint32_t bits = row[k].x;
-    if (k + 1 < k_len) bits |= static_cast<uint32_t>(row[k + 1].x) << 16;
-    return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+  // x[r, k], x[r, k + 1] as one 32-bit lane: one load-and-broadcast (K is even in practice).
+  static Operand broadcast(const T* row, int64_t k) {
+    int32_t pair;
+    std::memcpy(&pair, row + k, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
   }
+  // The last k of an odd K: the pair ends in zero.
+  static Operand broadcast_last(const T* row, int64_t k) { return (__m512bh)_mm512_set1_epi32(row[k].x); }
   static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbf16_ps(acc, a, w); }
   static void store(float* out, Acc acc) { _mm512_storeu_ps(out, acc); }
 };
 #endif
+
+// acc[r] += x[r, k:k + kDepth] * panel[k:k + kDepth, 0:kPanel] for R rows (kLast: the last k of an odd K).
+template <typename S, int64_t R, bool kLast = false>
+inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x, int64_t ldx,
+                   const typename S::T* panel, int64_t k) {
+  typename S::Operand w[kPanelVecs];
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    const typename S::Operand a = kLast ? S::broadcast_last(x + r * ldx, k) : S::broadcast(x + r * ldx, k);
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::madd(acc[r][v], a, w[v]);
+  }
+}
 
 // out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
 template <typename S, int64_t R>
@@ -93,17 +113,9 @@ void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64
   for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::zero();
-  for (int64_t k = 0; k < k_len; k += S::kDepth) {
-    typename S::Operand w[kPanelVecs];
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < R; ++r) {
-      const typename S::Operand a = S::broadcast(x + r * ldx, k, k_len);
-#pragma GCC unroll 4
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::madd(acc[r][v], a, w[v]);
-    }
-  }
+  const int64_t k_whole = k_len - k_len % S::kDepth;
+  for (int64_t k = 0; k < k_whole; k += S::kDepth) k_step<S, R>(acc, x, ldx, panel, k);
+  if (k_whole < k_len) k_step<S, R, true>(acc, x, ldx, panel, k_whole);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < kPanelVecs; ++v) S::store(out + r * kPanel + v * kW, acc[r][v]);
 }
@@ -121,16 +133,20 @@ void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename
   }
 }
 
-// dst[0:cols] = src (+ bias), rounded to T once.
-inline void store_row(const float* src, const float* bias, int64_t cols, float* dst) {
-  if (bias != nullptr)
-    at::vec::map2([](Vec a, Vec b) { return a + b; }, dst, src, bias, cols);
-  else
+// dst[0:cols] = src + bias (src is scratch: the bias is added in place), rounded once to the layer's dtype R
+// and stored as O: R itself, or fp32 holding the R value (the LM head's logits).
+template <typename R, typename O>
+void store_row(float* src, const float* bias, int64_t cols, O* dst) {
+  if (bias != nullptr) at::vec::map2([](Vec a, Vec b) { return a + b; }, src, src, bias, cols);
+  if constexpr (std::is_same_v<R, float>) {
     std::memcpy(dst, src, cols * sizeof(float));
-}
-
-inline void store_row(const float* src, const BFloat16* bias, int64_t cols, BFloat16* dst) {
-  for (int64_t c = 0; c < cols; ++c) dst[c] = BFloat16(src[c] + (bias != nullptr ? float(bias[c]) : 0.f));
+  } else if constexpr (std::is_same_v<O, R>) {
+    at::vec::convert(src, dst, cols);
+  } else {
+    R rounded[kPanel];
+    at::vec::convert(src, rounded, cols);
+    at::vec::convert(rounded, dst, cols);
+  }
 }
 
 // The fused argmax: per row, a running lane-wise maximum over the columns one thread computes. Lane l
@@ -187,31 +203,34 @@ class RowBest {
   Vec lanes_[kPanelVecs];  // a panel's column offsets, lane by lane
 };
 
-// With ``best``, each output row's columns also go into its running argmax (fp32 only).
-template <typename S, typename T = typename S::T>
+// With ``best``, each output row's columns also go into its running argmax (fp32 output only).
+template <typename S, typename O, typename T = typename S::T>
 void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y,
                RowBest* best) {
   const int64_t m = x.size(0), k_len = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
   const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>() + p * kPanel;
-  float tmp[kRows * kPanel];
+  O* yp = y.data_ptr<O>() + p * kPanel;
+  float tmp[kRows * kPanel], bias_f[kPanel];
+  if (bias != nullptr) at::vec::convert(bias + p * kPanel, bias_f, cols);
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int64_t rows = std::min(kRows, m - r0);
     tile_rows<S>(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r) {
-      store_row(tmp + r * kPanel, bias == nullptr ? nullptr : bias + p * kPanel, cols, yp + (r0 + r) * ldy);
-      if constexpr (std::is_same_v<T, float>)
-        if (best != nullptr) best->update(r0 + r, yp + (r0 + r) * ldy, p * kPanel, cols);
+      O* out = yp + (r0 + r) * ldy;
+      store_row<T>(tmp + r * kPanel, bias == nullptr ? nullptr : bias_f, cols, out);
+      if constexpr (std::is_same_v<O, float>)
+        if (best != nullptr) best->update(r0 + r, out, p * kPanel, cols);
     }
   }
 }
 
 // With ``chunks`` (one entry per panel), the thread that computes panels [begin, end) leaves its rows'
 // argmax in chunks[begin].
-template <typename S, typename T = typename S::T>
+template <typename S, typename O = typename S::T, typename T = typename S::T>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
          std::vector<RowBest::Result>* chunks = nullptr) {
-  const int64_t out_features = y.size(1), panels = packed.size(0), panel_numel = packed[0].numel();
+  const int64_t out_features = y.size(1), panels = packed.size(0),
+                panel_numel = packed.size(1) * packed.size(2);  // not packed[0].numel(): a tensor per call
   const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
   const T* pk = packed.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
@@ -219,8 +238,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
     std::optional<RowBest> best;
     if (chunks != nullptr) best.emplace(x.size(0));
     for (int64_t p = begin; p < end; ++p)
-      run_panel<S>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y,
-                   best ? &*best : nullptr);
+      run_panel<S, O>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y,
+                      best ? &*best : nullptr);
     if (best) (*chunks)[begin] = best->result();
   });
 }
@@ -303,12 +322,18 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
                                                             const c10::optional<at::Tensor>& bias,
                                                             int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out_features > 0 && out_features < (int64_t{1} << 24),
-              "skinny_linear_argmax: fp32 only, 0 < out_features < 2^24, got ", x.scalar_type(), " ", out_features);
+  TORCH_CHECK(out_features > 0 && out_features < (int64_t{1} << 24),
+              "skinny_linear_argmax: 0 < out_features < 2^24, got ", out_features);
   check_inputs(x, packed, bias, out_features);
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return {y, at::empty({0}, x.options().dtype(at::kLong))};
   std::vector<RowBest::Result> chunks(packed.size(0));
+#ifdef PAGEDSERVE_SKINNY_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    run<Bf16Step, float>(x, packed, bias, y, &chunks);
+    return {y, combine_chunks(chunks, y)};
+  }
+#endif
   run<F32Step>(x, packed, bias, y, &chunks);
   return {y, combine_chunks(chunks, y)};
 }
