@@ -130,8 +130,12 @@ class RedisGatewayBroker(ReplyRouter):
                     item.done.set_exception(error)
 
     def _queue(self, pipe: Pipeline, item: _Submit) -> None:
-        pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+        self._write_record(pipe, item)
         pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+
+    def _write_record(self, pipe: Pipeline, item: _Submit) -> None:
+        """The StreamRecord, unless one is there (SET NX): the reply of the SET says whether it was missing."""
+        pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
 
     # ---- abort ------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -284,7 +288,7 @@ class RedisGatewayBroker(ReplyRouter):
         time to re-assert them."""
         pipe = self._client.pipeline(transaction=False)
         for item in self._submitted.values():
-            pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+            self._write_record(pipe, item)
         # A record written again was lost with its queue entry (an expiry of this gateway's beat alone,
         # in a stall, loses neither).
         written = await pipe.execute() if self._submitted else []
