@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -31,15 +34,11 @@ def test_matches_matmul(ext_ops, rows, in_features, out_features):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bias_strided_rows_and_threads(ext_ops, threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         x, weight, bias = random_layer(40, 512, 32000 + 5, 7, bias=True)
         rows = torch.cat([x, x], dim=1)[:, 512:]  # row stride 1024, dense last dim
         packed = cuda_ext.pack_linear(weight, bias)
         assert relative_error(packed(rows), torch.nn.functional.linear(rows, weight, bias)) <= 1e-5
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_packed_layout_matches_reference(ext_ops):
@@ -66,17 +65,13 @@ def test_zero_rows_and_leading_dims(ext_ops):
 def test_fused_argmax_is_torch_argmax(ext_ops, threads, rows, in_features, out_features):
     x, weight, bias = random_layer(rows, in_features, out_features, rows, bias=True)
     packed = torch.ops.pagedserve.pack_linear_weight(weight)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for b in (None, bias):
             y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, b, out_features)
             assert torch.equal(y, torch.ops.pagedserve.skinny_linear(x, packed, b, out_features))
             assert torch.equal(idx, y.argmax(-1))
             ref_y, ref_idx = reference.skinny_linear_argmax(x, packed, b, out_features)
             assert relative_error(y, ref_y) <= 1e-5 and torch.equal(ref_idx, ref_y.argmax(-1))
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,9 +102,7 @@ def test_bf16_fused_argmax_is_argmax_of_bf16_logits(ext_ops, threads, rows, in_f
     x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))
     weight[out_features - 1] = weight[out_features // 2]  # an exact tie, late in the row
     packed = torch.ops.pagedserve.pack_linear_weight(weight)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for b in (None, bias):
             y, idx = torch.ops.pagedserve.skinny_linear_argmax(x, packed, b, out_features)
             logits = torch.ops.pagedserve.skinny_linear(x, packed, b, out_features)
@@ -117,6 +110,14 @@ def test_bf16_fused_argmax_is_argmax_of_bf16_logits(ext_ops, threads, rows, in_f
             assert torch.equal(idx, logits.argmax(-1))
             ref_y, ref_idx = reference.skinny_linear_argmax(x, packed, b, out_features)
             assert ref_y.dtype == torch.float32 and torch.equal(ref_idx, ref_y.argmax(-1))
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
     finally:
         torch.set_num_threads(previous)
 
