@@ -163,15 +163,19 @@ _OUTPUT = EventKind.OUTPUT.value
 
 
 def event_row(request_id: str, e: ReplyEvent) -> EventRow:
-    return [request_id, e.index, e.kind.value, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in e.choices],
-            e.finished, e.num_cached_tokens, e.error, e.status]
+    return [request_id, e.index, e.kind.value, _choice_rows(e.choices), e.finished, e.num_cached_tokens, e.error,
+            e.status]
 
 
 def output_row(request_id: str, index: int, outputs: list[CompletionOutput], finished: bool,
                num_cached_tokens: int) -> EventRow:
     """An OUTPUT event's row straight from the engine's outputs (no ReplyEvent, no ChoiceDelta)."""
-    return [request_id, index, _OUTPUT, [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in outputs],
-            finished, num_cached_tokens, None, 500]
+    return [request_id, index, _OUTPUT, _choice_rows(outputs), finished, num_cached_tokens, None, 500]
+
+
+def _choice_rows(choices: list[ChoiceDelta] | list[CompletionOutput]) -> list[list]:
+    """Each choice as ``[index, token_ids, logprobs, finish_reason]`` (both types carry those fields)."""
+    return [[c.index, c.token_ids, c.logprobs, c.finish_reason] for c in choices]
 
 
 def pack_batch(engine_id: str, incarnation: str, rows: list[EventRow]) -> bytes:
