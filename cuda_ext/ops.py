@@ -23,7 +23,8 @@ class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
     fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax (signatures in
     cuda_ext.reference), and
-    pack_linear: (weight, bias) -> the layer on the skinny GEMM op, or None to keep F.linear."""
+    pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
+    F.linear."""
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., None]
@@ -33,7 +34,7 @@ class KernelOps:
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
     row_argmax: Callable[[torch.Tensor], torch.Tensor]
-    pack_linear: Callable[[torch.Tensor, torch.Tensor | None], PackedLinear | None]
+    pack_linear: Callable[..., PackedLinear | None]
 
 
 def load_ops(backend: str = "ext") -> KernelOps:

@@ -161,11 +161,10 @@ class LLMEngine:
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
         if not samples:
             return SamplerOutput([], [])
-        values, argmax = logits.values, logits.argmax
-        if len(samples) != values.shape[0]:  # forks draw several tokens from one row
-            rows = [row for row, _, _ in samples]
-            values, argmax = values[rows], None if argmax is None else argmax[rows]
-        return self.sampler(values, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples], argmax)
+        if len(samples) != len(logits):  # forks draw several tokens from one row
+            logits = logits.select([row for row, _, _ in samples])
+        return self.sampler(logits.values, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples],
+                            logits.argmax)
 
     def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         groups = {s.group.request_id: s.group for s in out.scheduled}

@@ -24,14 +24,22 @@ class Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the hidden states that get logits
+    need_logits: bool = True  # False: every sampled row takes the argmax only (SamplingParams.argmax_only)
 
 
 @dataclass(slots=True)
 class Logits:
-    """The sampled rows' fp32 logits, and their argmax when the LM head computed it on the way (else None)."""
+    """The sampled rows' fp32 logits, and their argmax when the LM head computed it on the way (else None).
+    No values when the step needed only the argmax and the LM head gave it alone."""
 
-    values: torch.Tensor
+    values: torch.Tensor | None
     argmax: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return (self.argmax if self.values is None else self.values).shape[0]
+
+    def select(self, rows: list[int]) -> Logits:
+        return Logits(None if self.values is None else self.values[rows], None if self.argmax is None else self.argmax[rows])
 
 
 @dataclass(slots=True)
@@ -85,8 +93,10 @@ class ModelRunner:
         if b.sample_rows.numel() == 0:
             return None
         # index_select, not hidden[rows]: advanced indexing runs an OpenMP region (~0.2 ms, more under load).
-        logits, argmax = self.model.compute_logits(hidden.index_select(0, self._dev(b.sample_rows)))
-        return None if logits is None else Logits(logits.float(), argmax)
+        logits, argmax = self.model.compute_logits(hidden.index_select(0, self._dev(b.sample_rows)), b.need_logits)
+        if logits is None:
+            return None if argmax is None else Logits(None, argmax)
+        return Logits(logits.float(), argmax)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
@@ -102,6 +112,7 @@ class ModelRunner:
         conversion (``torch.tensor`` of a list costs ~0.3 us an element). Slots go a block-run at a time
         (``extend(range)``), so there is no per-token Python even in a long prefill."""
         input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
+        argmax_only = True
         query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
         width, bs = max(len(s.block_table) for s in scheduled), self.block_size
         for s in scheduled:
@@ -122,13 +133,14 @@ class ModelRunner:
                 block_tables.extend(repeat(0, width - len(table)))  # padding, never read
             if s.do_sample:
                 sample_rows.append(len(input_ids) - 1)
+                argmax_only = argmax_only and s.group.params.argmax_only
         meta = AttentionMetadata(
             slot_mapping=_host_tensor(slots, torch.int64),
             block_tables=_host_tensor(block_tables, torch.int32).view(len(scheduled), width),
             seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
         return Batch(_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
-                     _host_tensor(sample_rows, torch.int64))
+                     _host_tensor(sample_rows, torch.int64), not argmax_only)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

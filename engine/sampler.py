@@ -38,9 +38,12 @@ class Sampler:
         # Row-wise argmax, torch.argmax's result (KernelOps.row_argmax: the compiled one is ~10x faster on CPU).
         self.argmax = argmax
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+    def __call__(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],
                  argmax: torch.Tensor | None = None) -> SamplerOutput:
-        """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM)."""
+        """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM).
+        No ``logits``: every row is ``SamplingParams.argmax_only`` and the LM head gave the argmax alone."""
+        if logits is None:
+            return SamplerOutput(argmax.tolist(), [None] * len(params))
         raw = logits
         logits = self._penalize(logits, seqs, params)
         logits = self._mask_early_stops(logits, seqs, params)

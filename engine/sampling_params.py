@@ -73,6 +73,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def argmax_only(self) -> bool:
+        """The next token is the raw logits' argmax and nothing else of the logits is read: greedy, no
+        penalties, no min_tokens mask, no logprobs, no beam search."""
+        return (self.greedy and self.logprobs is None and not self.use_beam_search and not self.min_tokens
+                and not self.presence_penalty and not self.frequency_penalty and self.repetition_penalty == 1.0)
+
 
 @dataclass(slots=True)
 class BeamSearchParams:

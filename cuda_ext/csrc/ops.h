@@ -20,6 +20,10 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
                                                             const c10::optional<at::Tensor>& bias,
                                                             int64_t out_features);
+std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
+                                                          const c10::optional<at::Tensor>& bias);
+at::Tensor skinny_argmax_screened_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                                      const at::Tensor& bounds, const c10::optional<at::Tensor>& bias);
 at::Tensor fused_add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_ext import KernelOps
+
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import Linear, Shard
 
@@ -52,11 +54,15 @@ class ParallelLMHead(Linear):
         logits = self.tp.gather_last_dim(super().forward(x))
         return None if logits is None else logits[..., :self.vocab_size]
 
-    def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def pack(self, ops: KernelOps) -> None:
+        self.packed = ops.pack_linear(self.weight, self.bias, screen_argmax=self.tp.size == 1)
+
+    def with_argmax(self, x: torch.Tensor, need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(logits, each row's argmax)``, the argmax fused into the packed GEMM where it can be (one rank;
-        the logits then come out in fp32), else None: the sampler then takes it from the logits."""
+        the logits then come out in fp32), else None: the sampler then takes it from the logits. Without
+        ``need_logits`` the packed layer gives the argmax alone, ``(None, argmax)``, where it can."""
         if self.tp.size == 1 and self.packed is not None:
-            return self.packed.with_argmax(x)
+            return (None, self.packed.argmax(x)) if not need_logits else self.packed.with_argmax(x)
         return self(x), None
 
     def checkpoint_shard(self, param: str, part: int | None) -> Shard:

@@ -124,9 +124,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The logits (None on tensor-parallel ranks other than 0) and their rows' argmax when fused (else None)."""
-        return self.lm_head.with_argmax(hidden)
+    def compute_logits(self, hidden: torch.Tensor, need_logits: bool = True) -> tuple[torch.Tensor | None,
+                                                                                      torch.Tensor | None]:
+        """The logits (None on tensor-parallel ranks other than 0, and where ``need_logits`` is False and the
+        LM head gave the argmax alone) and their rows' argmax when fused (else None)."""
+        return self.lm_head.with_argmax(hidden, need_logits)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -66,6 +66,27 @@ def test_load_packs_linears_and_releases_unpacked_weights(tmp_path, arch):
     torch.testing.assert_close(model.lm_head(x), x @ hf_head.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_fp32_lm_head_gives_the_argmax_alone_when_asked(tmp_path):
+    """``need_logits=False``: a packed fp32 LM head answers with its screened argmax and no logits, the same
+    tokens as the fused argmax; the reference backend (no packing) still gives logits."""
+    from engine.loader import load_model
+    from engine.models.config import read_model_config
+
+    from .conftest import build_checkpoint
+
+    checkpoint = build_checkpoint("llama", tmp_path)
+    config = read_model_config(checkpoint.path)
+    model = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("ext"), False)
+    hidden = torch.randn(6, model.lm_head.in_features)
+    logits, argmax = model.compute_logits(hidden)
+    alone, only_argmax = model.compute_logits(hidden, need_logits=False)
+    assert alone is None and torch.equal(only_argmax, argmax) and torch.equal(argmax, logits.argmax(-1))
+    assert (model.lm_head.packed.screen is not None) == torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16)
+    plain = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("torch"), False)
+    logits, argmax = plain.compute_logits(hidden, need_logits=False)
+    assert argmax is None and logits.shape == (6, config.vocab_size)
+
+
 def test_bf16_tied_lm_head_gives_fp32_logits_and_their_argmax(tmp_path):
     """A packed bf16 LM head (tied to the embedding, as in Qwen2) returns its bf16 logits widened to fp32 and
     their argmax, from one GEMM: what ``.float()`` and torch.argmax of the plain layer's output give."""

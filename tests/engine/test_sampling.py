@@ -82,6 +82,20 @@ def test_fused_argmax_stands_only_for_untouched_logits():
     assert sampler(logits.repeat(2, 1), [seq, seq], mixed, torch.tensor([3, 3])).token_ids == [3, 1]
 
 
+def test_argmax_only_params_and_a_step_without_logits():
+    """Greedy rows that read nothing else of the logits take the LM head's argmax alone (no logits at all)."""
+    assert SamplingParams(temperature=0.0, stop_token_ids=[5], ignore_eos=True).argmax_only
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logprobs=0),
+                   SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0, presence_penalty=1),
+                   SamplingParams(temperature=0.0, frequency_penalty=1), SamplingParams(temperature=0.0, repetition_penalty=2),
+                   SamplingParams(temperature=0.0, n=2, best_of=2, use_beam_search=True)):
+        assert not params.argmax_only, params
+    sampler = Sampler(eos_token_ids={1}, seed=0)
+    seq = Sequence([0, 2], num_prompt_tokens=1)
+    out = sampler(None, [seq, seq], [SamplingParams(temperature=0.0)] * 2, torch.tensor([3, 7]))
+    assert out.token_ids == [3, 7] and out.logprobs == [None, None]
+
+
 # ---- end to end against HF ---------------------------------------------------
 def test_repetition_penalty_matches_hf(llama_checkpoint):
     prompts = mixed_prompts(6, seed=3)
