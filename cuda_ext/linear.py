@@ -19,8 +19,8 @@ class ArgmaxScreen:
     speed, exactly the fp32 one (the columns the bounds cannot rule out are recomputed in fp32)."""
 
     weight: torch.Tensor  # the fp32 weight, row-major: the survivors' logits are recomputed from it
-    screen: torch.Tensor  # pack_argmax_screen's bf16 panels
-    bounds: torch.Tensor  # [2, out_features]: the error bound's per-column terms
+    screen: torch.Tensor  # pack_argmax_screen's panels
+    bounds: torch.Tensor  # the error bound's per-column terms
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,7 +30,7 @@ class PackedLinear:
     packed: torch.Tensor  # from pack_linear_weight (panel layout: cuda_ext/README.md)
     bias: torch.Tensor | None
     out_features: int
-    screen: ArgmaxScreen | None = None  # an LM head's, where the CPU has the bf16 skinny GEMM
+    screen: ArgmaxScreen | None = None  # an fp32 LM head's, where the CPU has AVX512-BF16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -47,9 +47,9 @@ class PackedLinear:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of ``self(x)`` for 2-D ``x``, the one ``with_argmax`` gives, without the logits:
-        screened in bf16 where the layer has a screen (1.8-2.4x faster for a 32k-vocabulary fp32 LM head)."""
+        screened where the layer has a screen (1.8-2.4x faster for a 32k-vocabulary fp32 LM head)."""
         s = self.screen
-        if s is not None and x.dtype == torch.float32:
+        if s is not None and x.dtype == s.weight.dtype:
             return torch.ops.pagedserve.skinny_argmax_screened(x, s.weight, s.screen, s.bounds, self.bias)
         return self.with_argmax(x)[1]
 
@@ -57,7 +57,8 @@ class PackedLinear:
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False) -> PackedLinear | None:
     """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on
     AVX512-BF16 CPUs without AMX), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads):
-    an fp32 layer also gets an ArgmaxScreen where the CPU has AVX512-BF16 (16 bits more per weight).
+    an fp32 layer also gets an ArgmaxScreen where the CPU has AVX512-BF16 (16 bits more per weight, and the
+    fp32 weight is kept row-major).
 
     The fp32 op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
     decode batches, so it serves prefill too. bf16 stays on F.linear where the CPU has AMX: oneDNN's
@@ -68,7 +69,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
         return None
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     screen = None
-    if screen_argmax and weight.dtype == torch.float32 and torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16):
+    if screen_argmax and torch.ops.pagedserve.argmax_screen_supports(weight.dtype):
         weight = weight.contiguous()
         screen = ArgmaxScreen(weight, *torch.ops.pagedserve.pack_argmax_screen(weight, bias))
     return PackedLinear(torch.ops.pagedserve.pack_linear_weight(weight), bias, weight.shape[0], screen)

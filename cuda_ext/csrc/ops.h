@@ -20,6 +20,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
                                                             const c10::optional<at::Tensor>& bias,
                                                             int64_t out_features);
+bool argmax_screen_supports_cpu(at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias);
 at::Tensor skinny_argmax_screened_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,

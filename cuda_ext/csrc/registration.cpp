@@ -23,6 +23,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("skinny_argmax_screened(Tensor x, Tensor weight, Tensor screen, Tensor bounds, Tensor? bias) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
   m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
+  m.def("argmax_screen_supports(ScalarType dtype) -> bool", &pagedserve::argmax_screen_supports_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

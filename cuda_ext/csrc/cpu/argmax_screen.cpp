@@ -1,0 +1,255 @@
+// The screened argmax: an fp32 LM head's greedy tokens without its logits, exactly, at the cost of a bf16
+// GEMM (vdpbf16ps: about half the fp32 one's here). The bf16 pass estimates every logit; a proven bound on
+// each estimate's distance to the fp32 logit,
+//   B = x_width |w_c|_2 + slack_c,  x_width = 2 (2^-7 + 2^-16 + 2K 2^-24) |x|_2,
+//   slack_c = 8K 2^-126 (1 + |w_c|_2) + 2^-20 |bias_c|
+// (bf16 rounding of x and w: 2^-8 relative each; fp32 accumulation in either pass: K 2^-24; flushed
+// denormals; the bias add; Cauchy-Schwarz bounds sum |x_k w_k| by the norms; a factor 2 to spare), rules
+// out every column whose upper bound e + B is below another's lower bound e' - B'. The few left are
+// recomputed with the fp32 GEMM's own fma chain, so the answer is skinny_linear_argmax's, bit for bit,
+// first maximum on ties included.
+#include <ATen/Functions.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../ops.h"
+#include "skinny_tile.h"
+
+namespace pagedserve {
+namespace {
+
+using namespace skinny;
+
+#ifdef PAGEDSERVE_SKINNY_BF16
+struct Screened {
+  float upper;
+  int64_t column;
+};
+
+// Per row: the running floor (the largest lower bound so far) and the columns whose upper bound reached it.
+class RowScreen {
+ public:
+  explicit RowScreen(int64_t rows) : floor_(rows, -std::numeric_limits<float>::infinity()), kept_(rows) {}
+
+  // Row r's estimates +- their half-widths at columns [col0, col0 + cols), cols <= kPanel.
+  void update(int64_t r, const float* estimate, const float* width, int64_t col0, int64_t cols) {
+    float upper[kPanel];
+    __m512 low = _mm512_set1_ps(floor_[r]);
+    int64_t c = 0;
+    for (; c + kW <= cols; c += kW) {
+      const __m512 e = _mm512_loadu_ps(estimate + c), w = _mm512_loadu_ps(width + c);
+      low = _mm512_max_ps(low, _mm512_sub_ps(e, w));
+      _mm512_storeu_ps(upper + c, _mm512_add_ps(e, w));
+    }
+    float floor = _mm512_reduce_max_ps(low);
+    for (; c < cols; ++c) floor = std::max(floor, estimate[c] - width[c]), upper[c] = estimate[c] + width[c];
+    floor_[r] = floor;
+    // A column below the running floor is below the final one too; most are, so the test is vectorized.
+    const __m512 bar = _mm512_set1_ps(floor);
+    for (int64_t c0 = 0; c0 < cols; c0 += kW) {
+      const int64_t n = std::min(kW, cols - c0);
+      auto mask = _mm512_mask_cmp_ps_mask(static_cast<__mmask16>((1u << n) - 1), _mm512_loadu_ps(upper + c0), bar,
+                                          _CMP_GE_OQ);
+      for (; mask; mask &= mask - 1) {
+        const int64_t col = c0 + __builtin_ctz(mask);
+        kept_[r].push_back({upper[col], col0 + col});
+      }
+    }
+  }
+
+  float floor(int64_t r) const { return floor_[r]; }
+  const std::vector<Screened>& kept(int64_t r) const { return kept_[r]; }
+
+ private:
+  std::vector<float> floor_;
+  std::vector<std::vector<Screened>> kept_;
+};
+
+// fp32 layers: the bf16 pass's raw sums become estimates (+ bias) and their widths.
+struct F32Screen {
+  using Step = Bf16Step;
+  const float *norms, *slack, *bias;
+  std::vector<float> x_width;  // per row
+
+  void estimate(int64_t r, int64_t col0, int64_t cols, float* sums, float* width) const {
+    if (bias != nullptr) at::vec::map2([](Vec a, Vec b) { return a + b; }, sums, sums, bias + col0, cols);
+    const Vec xw(x_width[r]);
+    at::vec::map2([xw](Vec n, Vec s) { return at::vec::fmadd(xw, n, s); }, width, norms + col0, slack + col0, cols);
+  }
+};
+
+// The panels [begin, end) of every row into ``screen``: the pass's tiles, then their estimates and widths.
+template <typename S>
+void screen_panels(const S& screen_of, const typename S::Step::T* x, int64_t ldx, const typename S::Step::T* packed,
+                   int64_t panel_numel, int64_t k_len, int64_t m, int64_t out_features, int64_t begin, int64_t end,
+                   RowScreen& screen) {
+  float sums[kRows * kPanel], width[kPanel];
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int64_t rows = std::min(kRows, m - r0);
+      tile_rows<typename S::Step>(rows, x + r0 * ldx, ldx, packed + p * panel_numel, k_len, sums);
+      for (int64_t r = 0; r < rows; ++r) {
+        screen_of.estimate(r0 + r, col0, cols, sums + r * kPanel, width);
+        screen.update(r0 + r, sums + r * kPanel, width, col0, cols);
+      }
+    }
+  }
+}
+
+// Every thread's screens of its panels.
+template <typename S>
+std::vector<RowScreen> screen_all(const S& screen_of, const typename S::Step::T* x, int64_t ldx,
+                                  const at::Tensor& packed, int64_t k_len, int64_t m, int64_t out_features) {
+  const int64_t panels = packed.size(0), panel_numel = packed.size(1) * packed.size(2);
+  const auto* pk = static_cast<const typename S::Step::T*>(packed.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
+  std::vector<std::optional<RowScreen>> chunks(panels);
+  parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    screen_panels(screen_of, x, ldx, pk, panel_numel, k_len, m, out_features, begin, end, chunks[begin].emplace(m));
+  });
+  std::vector<RowScreen> screens;
+  for (auto& chunk : chunks)
+    if (chunk) screens.push_back(std::move(*chunk));
+  return screens;
+}
+
+// Row r's argmax among the columns that reach the final floor: their exact logits, the first maximum.
+template <typename Exact>
+int64_t best_survivor(const std::vector<RowScreen>& screens, int64_t r, const Exact& exact) {
+  float floor = -std::numeric_limits<float>::infinity();
+  for (const auto& s : screens) floor = std::max(floor, s.floor(r));
+  std::pair<float, int64_t> best{0.f, -1};
+  for (const auto& s : screens)
+    for (const Screened& c : s.kept(r)) {
+      if (c.upper < floor) continue;
+      const float a = exact(c.column);
+      if (best.second < 0 || a > best.first || (a == best.first && c.column < best.second)) best = {a, c.column};
+    }
+  return best.second;
+}
+
+template <typename Exact>
+at::Tensor best_survivors(const std::vector<RowScreen>& screens, int64_t m, const at::Tensor& x, const Exact& exact) {
+  at::Tensor idx = at::empty({m}, x.options().dtype(at::kLong));
+  for (int64_t r = 0; r < m; ++r)
+    idx.data_ptr<int64_t>()[r] = best_survivor(screens, r, [&](int64_t column) { return exact(r, column); });
+  return idx;
+}
+
+// Rows whose bound could overflow (non-finite or huge values) are left to the plain argmax.
+constexpr double kHuge = 1e30;
+
+std::optional<at::Tensor> screened_f32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                                       const at::Tensor& bounds, const float* bias) {
+  const int64_t m = x.size(0), k_len = x.size(1), n = weight.size(0);
+  const float *xp = x.data_ptr<float>(), *norms = bounds.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const double rel = 2.0 * (0x1p-7 + 0x1p-16 + 2.0 * k_len * 0x1p-24), w_max = *std::max_element(norms, norms + n);
+  F32Screen screen_of{norms, norms + n, bias, std::vector<float>(m)};
+  for (int64_t r = 0; r < m; ++r) {
+    double sq = 0;
+    for (int64_t k = 0; k < k_len; ++k) sq += double(xp[r * k_len + k]) * xp[r * k_len + k];
+    const double width = rel * std::sqrt(sq) * (1.0 + 1e-6);
+    if (!std::isfinite(width) || width * w_max > kHuge) return std::nullopt;
+    screen_of.x_width[r] = static_cast<float>(width);
+  }
+  const at::Tensor xb = x.to(at::kBFloat16);
+  const auto screens = screen_all(screen_of, xb.data_ptr<BFloat16>(), k_len, screen, k_len, m, n);
+  // The fp32 GEMM's logit: its fma chain (one lane, from k = 0), then the bias.
+  return best_survivors(screens, m, x, [&](int64_t r, int64_t column) {
+    const float *xr = xp + r * k_len, *w = wp + column * k_len;
+    float acc = 0.f;
+    for (int64_t k = 0; k < k_len; ++k) acc = std::fma(xr[k], w[k], acc);
+    return bias == nullptr ? acc : acc + bias[column];
+  });
+}
+#endif
+
+#ifdef PAGEDSERVE_SKINNY_BF16
+// bf16 panels (pack_linear_weight of the bf16 weight) and the bounds rows (|w|_2 rounded up, slack).
+std::tuple<at::Tensor, at::Tensor> pack_bf16(const at::Tensor& weight, const float* bias) {
+  const int64_t n = weight.size(0), k_len = weight.size(1);
+  at::Tensor bounds = at::empty({2, n}, weight.options());
+  float *norms = bounds.data_ptr<float>(), *slack = norms + n;
+  const float* wp = weight.data_ptr<float>();
+  for (int64_t c = 0; c < n; ++c) {
+    double sq = 0;
+    for (int64_t k = 0; k < k_len; ++k) sq += double(wp[c * k_len + k]) * wp[c * k_len + k];
+    const double norm = std::sqrt(sq) * (1 + 1e-6);  // rounded up: rounding must not shrink the bound
+    const double b = bias == nullptr ? 0.0 : std::fabs(double(bias[c]));
+    norms[c] = static_cast<float>(norm);
+    slack[c] = static_cast<float>((8.0 * k_len * 0x1p-126 * (1 + norm) + std::ldexp(b, -20)) * (1 + 1e-6));
+  }
+  return {pack_linear_weight_cpu(weight.to(at::kBFloat16)), bounds};
+}
+#endif
+
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& weight) {
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
+                    bias->scalar_type() == weight.scalar_type(),
+                "argmax screen: bias must be contiguous ", weight.scalar_type(), " [", weight.size(0), "]");
+}
+
+}  // namespace
+
+bool argmax_screen_supports_cpu(at::ScalarType dtype) {
+#ifdef PAGEDSERVE_SKINNY_BF16
+  return dtype == at::kFloat;
+#else
+  return false;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
+                                                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && argmax_screen_supports_cpu(weight.scalar_type()),
+              "pack_argmax_screen: an fp32 [out_features, in_features] weight, on a build with the bf16 skinny GEMM "
+              "(AVX512-BF16), got ", weight.scalar_type(), " ", weight.sizes());
+  check_bias(bias, weight);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(at::isfinite(weight).all().item<bool>() && (!has_bias || at::isfinite(*bias).all().item<bool>()),
+              "pack_argmax_screen: the weight and bias must be finite");
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat) : at::Tensor();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+#ifdef PAGEDSERVE_SKINNY_BF16
+  return pack_bf16(w, bp);
+#else
+  TORCH_CHECK(false, "pack_argmax_screen: not in this build");
+#endif
+}
+
+at::Tensor skinny_argmax_screened_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                                      const at::Tensor& bounds, const c10::optional<at::Tensor>& bias) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  dtype == at::kFloat && x.size(1) == weight.size(1),
+              "skinny_argmax_screened: fp32 x [rows, in_features] and a contiguous fp32 weight [out, in_features], "
+              "got ", x.scalar_type(), " ", x.sizes(), " and ", dtype, " ", weight.sizes());
+  check_bias(bias, weight);
+  const int64_t n = weight.size(0), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(0) == 2 && bounds.size(1) == n && bounds.is_contiguous() &&
+                  bounds.scalar_type() == at::kFloat,
+              "skinny_argmax_screened: bounds must be pack_argmax_screen's [2, ", n, "]");
+  TORCH_CHECK(screen.dim() == 3 && screen.is_contiguous() && screen.size(0) == panels &&
+                  screen.size(1) == (x.size(1) + 1) / 2 && screen.size(2) == 2 * kPanel &&
+                  screen.scalar_type() == at::kBFloat16,
+              "skinny_argmax_screened: screen must be pack_argmax_screen's, got ", screen.scalar_type(), " ",
+              screen.sizes());
+  if (x.size(0) == 0) return at::empty({0}, x.options().dtype(at::kLong));
+#ifdef PAGEDSERVE_SKINNY_BF16
+  const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  if (auto idx = screened_f32(x.contiguous(), weight, screen, bounds, b)) return *idx;
+#endif
+  return row_argmax_cpu(at::linear(x, weight, bias));
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,123 @@
+// The skinny GEMM's register tiles (skinny_gemm.cpp, argmax_screen.cpp): out[r, 0:kPanel] = sum_k x[r, k] *
+// panel[k, 0:kPanel] for up to kRows rows, the panel packed by pack_linear_weight. One "step" struct per
+// element type: fp32 (FMA) and bf16 (vdpbf16ps, AVX512-BF16 builds).
+#pragma once
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "parallel.h"
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define PAGEDSERVE_SKINNY_BF16 1
+#endif
+
+namespace pagedserve::skinny {
+
+
+using Vec = at::vec::Vectorized<float>;
+using c10::BFloat16;
+inline constexpr int64_t kW = Vec::size();
+// Register budget: AVX-512 has 32 vector registers (6 x 4 accumulators + 4 weights + 1
+// broadcast), AVX2 has 16 (4 x 2 + 2 + 1).
+inline constexpr int64_t kPanelVecs = kW == 16 ? 4 : 2;
+inline constexpr int64_t kPanel = kPanelVecs * kW;  // output columns per packed panel
+inline constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register tile
+inline constexpr int64_t kMinWorkPerThread = 1 << 20;  // multiply-adds (~12 us of fp32 AVX-512) worth a thread
+
+// One element type's k step of the micro-kernel: the panel's kPanelVecs weight
+// operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
+struct F32Step {
+  using T = float;
+  using Acc = Vec;
+  using Operand = Vec;
+  static constexpr int64_t kDepth = 1;  // k values per step
+  static Acc zero() { return Vec(0.f); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
+  static Operand broadcast(const T* row, int64_t k) { return Vec(row[k]); }
+  static Operand broadcast_last(const T* row, int64_t k) { return broadcast(row, k); }
+  static Acc madd(Acc acc, Operand a, Operand w) { return at::vec::fmadd(a, w, acc); }
+  static void store(float* out, Acc acc) { acc.store(out); }
+};
+
+#ifdef PAGEDSERVE_SKINNY_BF16
+struct Bf16Step {
+  using T = BFloat16;
+  using Acc = __m512;
+  using Operand = __m512bh;
+  static constexpr int64_t kDepth = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) {
+    return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
+  }
+  // x[r, k], x[r, k + 1] as one 32-bit lane: one load-and-broadcast (K is even in practice).
+  static Operand broadcast(const T* row, int64_t k) {
+    int32_t pair;
+    std::memcpy(&pair, row + k, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+  // The last k of an odd K: the pair ends in zero.
+  static Operand broadcast_last(const T* row, int64_t k) { return (__m512bh)_mm512_set1_epi32(row[k].x); }
+  static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbf16_ps(acc, a, w); }
+  static void store(float* out, Acc acc) { _mm512_storeu_ps(out, acc); }
+};
+#endif
+
+// acc[r] += x[r, k:k + kDepth] * panel[k:k + kDepth, 0:kPanel] for R rows (kLast: the last k of an odd K).
+template <typename S, int64_t R, bool kLast = false>
+inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x, int64_t ldx,
+                   const typename S::T* panel, int64_t k) {
+  typename S::Operand w[kPanelVecs];
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    const typename S::Operand a = kLast ? S::broadcast_last(x + r * ldx, k) : S::broadcast(x + r * ldx, k);
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::madd(acc[r][v], a, w[v]);
+  }
+}
+
+// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
+template <typename S, int64_t R>
+void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out) {
+  typename S::Acc acc[R][kPanelVecs];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::zero();
+  const int64_t k_whole = k_len - k_len % S::kDepth;
+  for (int64_t k = 0; k < k_whole; k += S::kDepth) k_step<S, R>(acc, x, ldx, panel, k);
+  if (k_whole < k_len) k_step<S, R, true>(acc, x, ldx, panel, k_whole);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < kPanelVecs; ++v) S::store(out + r * kPanel + v * kW, acc[r][v]);
+}
+
+template <typename S>
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+               float* out) {
+  switch (rows) {
+    case 1: return tile<S, 1>(x, ldx, panel, k_len, out);
+    case 2: return tile<S, 2>(x, ldx, panel, k_len, out);
+    case 3: return tile<S, 3>(x, ldx, panel, k_len, out);
+    case 4: return tile<S, 4>(x, ldx, panel, k_len, out);
+    case 5: return tile<S, 5>(x, ldx, panel, k_len, out);
+    default: return tile<S, kRows>(x, ldx, panel, k_len, out);
+  }
+}
+
+}  // namespace pagedserve::skinny
