@@ -81,7 +81,7 @@ def test_fp32_lm_head_gives_the_argmax_alone_when_asked(tmp_path):
     logits, argmax = model.compute_logits(hidden)
     alone, only_argmax = model.compute_logits(hidden, need_logits=False)
     assert alone is None and torch.equal(only_argmax, argmax) and torch.equal(argmax, logits.argmax(-1))
-    assert (model.lm_head.packed.screen is not None) == torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16)
+    assert (model.lm_head.packed.screen is not None) == torch.ops.pagedserve.argmax_screen_supports(torch.float32)
     plain = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("torch"), False)
     logits, argmax = plain.compute_logits(hidden, need_logits=False)
     assert argmax is None and logits.shape == (6, config.vocab_size)
