@@ -39,7 +39,8 @@ class Logits:
         return (self.argmax if self.values is None else self.values).shape[0]
 
     def select(self, rows: list[int]) -> Logits:
-        return Logits(None if self.values is None else self.values[rows], None if self.argmax is None else self.argmax[rows])
+        values, argmax = self.values, self.argmax
+        return Logits(None if values is None else values[rows], None if argmax is None else argmax[rows])
 
 
 @dataclass(slots=True)

@@ -85,10 +85,9 @@ def test_fused_argmax_stands_only_for_untouched_logits():
 def test_argmax_only_params_and_a_step_without_logits():
     """Greedy rows that read nothing else of the logits take the LM head's argmax alone (no logits at all)."""
     assert SamplingParams(temperature=0.0, stop_token_ids=[5], ignore_eos=True).argmax_only
-    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logprobs=0),
-                   SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0, presence_penalty=1),
-                   SamplingParams(temperature=0.0, frequency_penalty=1), SamplingParams(temperature=0.0, repetition_penalty=2),
-                   SamplingParams(temperature=0.0, n=2, best_of=2, use_beam_search=True)):
+    greedy_but = [dict(logprobs=0), dict(min_tokens=2), dict(presence_penalty=1), dict(frequency_penalty=1),
+                  dict(repetition_penalty=2), dict(n=2, best_of=2, use_beam_search=True)]
+    for params in [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0, **kw) for kw in greedy_but]:
         assert not params.argmax_only, params
     sampler = Sampler(eos_token_ids={1}, seed=0)
     seq = Sequence([0, 2], num_prompt_tokens=1)
