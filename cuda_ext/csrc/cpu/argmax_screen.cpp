@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -72,48 +71,42 @@ class RowScreen {
   std::vector<std::vector<Screened>> kept_;
 };
 
-// fp32 layers: the bf16 pass's raw sums become estimates (+ bias) and their widths.
-struct F32Screen {
-  using Step = Bf16Step;
-  const float *norms, *slack, *bias;
+// One call's inputs: x in bf16 for the pass, the packed bf16 weight, the bound's terms.
+struct Pass {
+  const BFloat16* x;  // [m, k_len]
+  const BFloat16* packed;  // pack_linear_weight's panels
+  int64_t panel_numel, k_len, m, out_features;
+  const float *norms, *slack, *bias;  // per column (bias: or nullptr)
   std::vector<float> x_width;  // per row
-
-  void estimate(int64_t r, int64_t col0, int64_t cols, float* sums, float* width) const {
-    if (bias != nullptr) at::vec::map2([](Vec a, Vec b) { return a + b; }, sums, sums, bias + col0, cols);
-    const Vec xw(x_width[r]);
-    at::vec::map2([xw](Vec n, Vec s) { return at::vec::fmadd(xw, n, s); }, width, norms + col0, slack + col0, cols);
-  }
 };
 
-// The panels [begin, end) of every row into ``screen``: the pass's tiles, then their estimates and widths.
-template <typename S>
-void screen_panels(const S& screen_of, const typename S::Step::T* x, int64_t ldx, const typename S::Step::T* packed,
-                   int64_t panel_numel, int64_t k_len, int64_t m, int64_t out_features, int64_t begin, int64_t end,
-                   RowScreen& screen) {
+// Panels [begin, end) for every row: the bf16 tiles, plus the bias, are the estimates; B their half-widths.
+void screen_panels(const Pass& in, int64_t begin, int64_t end, RowScreen& screen) {
   float sums[kRows * kPanel], width[kPanel];
   for (int64_t p = begin; p < end; ++p) {
-    const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const int64_t rows = std::min(kRows, m - r0);
-      tile_rows<typename S::Step>(rows, x + r0 * ldx, ldx, packed + p * panel_numel, k_len, sums);
+    const int64_t col0 = p * kPanel, cols = std::min(kPanel, in.out_features - col0);
+    for (int64_t r0 = 0; r0 < in.m; r0 += kRows) {
+      const int64_t rows = std::min(kRows, in.m - r0);
+      tile_rows<Bf16Step>(rows, in.x + r0 * in.k_len, in.k_len, in.packed + p * in.panel_numel, in.k_len, sums);
       for (int64_t r = 0; r < rows; ++r) {
-        screen_of.estimate(r0 + r, col0, cols, sums + r * kPanel, width);
-        screen.update(r0 + r, sums + r * kPanel, width, col0, cols);
+        float* estimate = sums + r * kPanel;
+        if (in.bias != nullptr)
+          at::vec::map2([](Vec a, Vec b) { return a + b; }, estimate, estimate, in.bias + col0, cols);
+        const Vec xw(in.x_width[r0 + r]);
+        at::vec::map2([xw](Vec n, Vec s) { return at::vec::fmadd(xw, n, s); }, width, in.norms + col0,
+                      in.slack + col0, cols);
+        screen.update(r0 + r, estimate, width, col0, cols);
       }
     }
   }
 }
 
 // Every thread's screens of its panels.
-template <typename S>
-std::vector<RowScreen> screen_all(const S& screen_of, const typename S::Step::T* x, int64_t ldx,
-                                  const at::Tensor& packed, int64_t k_len, int64_t m, int64_t out_features) {
-  const int64_t panels = packed.size(0), panel_numel = packed.size(1) * packed.size(2);
-  const auto* pk = static_cast<const typename S::Step::T*>(packed.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
+std::vector<RowScreen> screen_all(const Pass& in, int64_t panels) {
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(in.m * in.panel_numel, 1));
   std::vector<std::optional<RowScreen>> chunks(panels);
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    screen_panels(screen_of, x, ldx, pk, panel_numel, k_len, m, out_features, begin, end, chunks[begin].emplace(m));
+    screen_panels(in, begin, end, chunks[begin].emplace(in.m));
   });
   std::vector<RowScreen> screens;
   for (auto& chunk : chunks)
@@ -121,54 +114,51 @@ std::vector<RowScreen> screen_all(const S& screen_of, const typename S::Step::T*
   return screens;
 }
 
+// The fp32 GEMM's logit of one column: its fma chain (one lane, from k = 0), then the bias.
+float exact_logit(const float* x, const float* w, const float* bias, int64_t k_len, int64_t column) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < k_len; ++k) acc = std::fma(x[k], w[k], acc);
+  return bias == nullptr ? acc : acc + bias[column];
+}
+
 // Row r's argmax among the columns that reach the final floor: their exact logits, the first maximum.
-template <typename Exact>
-int64_t best_survivor(const std::vector<RowScreen>& screens, int64_t r, const Exact& exact) {
+int64_t best_survivor(const std::vector<RowScreen>& screens, int64_t r, const float* x, const float* weight,
+                      const float* bias, int64_t k_len) {
   float floor = -std::numeric_limits<float>::infinity();
   for (const auto& s : screens) floor = std::max(floor, s.floor(r));
   std::pair<float, int64_t> best{0.f, -1};
   for (const auto& s : screens)
     for (const Screened& c : s.kept(r)) {
       if (c.upper < floor) continue;
-      const float a = exact(c.column);
+      const float a = exact_logit(x, weight + c.column * k_len, bias, k_len, c.column);
       if (best.second < 0 || a > best.first || (a == best.first && c.column < best.second)) best = {a, c.column};
     }
   return best.second;
 }
 
-template <typename Exact>
-at::Tensor best_survivors(const std::vector<RowScreen>& screens, int64_t m, const at::Tensor& x, const Exact& exact) {
-  at::Tensor idx = at::empty({m}, x.options().dtype(at::kLong));
-  for (int64_t r = 0; r < m; ++r)
-    idx.data_ptr<int64_t>()[r] = best_survivor(screens, r, [&](int64_t column) { return exact(r, column); });
-  return idx;
-}
-
 // Rows whose bound could overflow (non-finite or huge values) are left to the plain argmax.
 constexpr double kHuge = 1e30;
 
-std::optional<at::Tensor> screened_f32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
-                                       const at::Tensor& bounds, const float* bias) {
+std::optional<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
+                                          const at::Tensor& bounds, const float* bias) {
   const int64_t m = x.size(0), k_len = x.size(1), n = weight.size(0);
-  const float *xp = x.data_ptr<float>(), *norms = bounds.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *norms = bounds.data_ptr<float>();
   const double rel = 2.0 * (0x1p-7 + 0x1p-16 + 2.0 * k_len * 0x1p-24), w_max = *std::max_element(norms, norms + n);
-  F32Screen screen_of{norms, norms + n, bias, std::vector<float>(m)};
+  const at::Tensor xb = x.to(at::kBFloat16);
+  Pass in{xb.data_ptr<BFloat16>(), screen.data_ptr<BFloat16>(), screen.size(1) * screen.size(2), k_len, m, n,
+          norms, norms + n, bias, std::vector<float>(m)};
   for (int64_t r = 0; r < m; ++r) {
     double sq = 0;
     for (int64_t k = 0; k < k_len; ++k) sq += double(xp[r * k_len + k]) * xp[r * k_len + k];
     const double width = rel * std::sqrt(sq) * (1.0 + 1e-6);
     if (!std::isfinite(width) || width * w_max > kHuge) return std::nullopt;
-    screen_of.x_width[r] = static_cast<float>(width);
+    in.x_width[r] = static_cast<float>(width);
   }
-  const at::Tensor xb = x.to(at::kBFloat16);
-  const auto screens = screen_all(screen_of, xb.data_ptr<BFloat16>(), k_len, screen, k_len, m, n);
-  // The fp32 GEMM's logit: its fma chain (one lane, from k = 0), then the bias.
-  return best_survivors(screens, m, x, [&](int64_t r, int64_t column) {
-    const float *xr = xp + r * k_len, *w = wp + column * k_len;
-    float acc = 0.f;
-    for (int64_t k = 0; k < k_len; ++k) acc = std::fma(xr[k], w[k], acc);
-    return bias == nullptr ? acc : acc + bias[column];
-  });
+  const auto screens = screen_all(in, screen.size(0));
+  at::Tensor idx = at::empty({m}, x.options().dtype(at::kLong));
+  for (int64_t r = 0; r < m; ++r)
+    idx.data_ptr<int64_t>()[r] = best_survivor(screens, r, xp + r * k_len, weight.data_ptr<float>(), bias, k_len);
+  return idx;
 }
 #endif
 
@@ -247,7 +237,7 @@ at::Tensor skinny_argmax_screened_cpu(const at::Tensor& x, const at::Tensor& wei
   if (x.size(0) == 0) return at::empty({0}, x.options().dtype(at::kLong));
 #ifdef PAGEDSERVE_SKINNY_BF16
   const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-  if (auto idx = screened_f32(x.contiguous(), weight, screen, bounds, b)) return *idx;
+  if (auto idx = screened_argmax(x.contiguous(), weight, screen, bounds, b)) return *idx;
 #endif
   return row_argmax_cpu(at::linear(x, weight, bias));
 }
