@@ -233,12 +233,11 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x,
   if (x.size(0) == 0) return {y, at::empty({0}, x.options().dtype(at::kLong))};
   std::vector<RowBest::Result> chunks(packed.size(0));
 #ifdef PAGEDSERVE_SKINNY_BF16
-  if (x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16)
     run<Bf16Step, float>(x, packed, bias, y, &chunks);
-    return {y, combine_chunks(chunks, y)};
-  }
+  else
 #endif
-  run<F32Step>(x, packed, bias, y, &chunks);
+    run<F32Step>(x, packed, bias, y, &chunks);
   return {y, combine_chunks(chunks, y)};
 }
 
