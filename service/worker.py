@@ -330,6 +330,9 @@ class Worker:
         """Aborts owned requests in the engine (their blocks go back to the pool now), with a final event each."""
         if request_ids:
             self.engine.abort_request(request_ids)
+        return self._final_events(request_ids, kind, **fields)
+
+    def _final_events(self, request_ids: list[str], kind: EventKind, **fields: Any) -> Published:
         runs = [self._owned.pop(rid) for rid in request_ids]
         return [(run.handle, self._counted(run, kind, finished=True, **fields)) for run in runs]
 
@@ -373,13 +376,14 @@ class Worker:
                                       out.num_cached_tokens)
 
     def _fail_all(self, error: str, status: int) -> Published:
+        """Every owned request ends with an error event, even if the engine cannot abort them (a broken step)."""
+        request_ids = list(self._owned)
         try:
-            return self._end(list(self._owned), EventKind.ERROR, error=error, status=status)
+            if request_ids:
+                self.engine.abort_request(request_ids)
         except Exception:
             log.exception("abort after failure failed")
-            runs, self._owned = list(self._owned.values()), {}
-            return [(run.handle, self._counted(run, EventKind.ERROR, finished=True, error=error, status=status))
-                    for run in runs]
+        return self._final_events(request_ids, EventKind.ERROR, error=error, status=status)
 
     def _refresh_stats(self) -> None:
         # Between steps, on the loop thread: the engine is never read while it steps.

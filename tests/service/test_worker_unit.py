@@ -114,6 +114,22 @@ async def test_errors_reach_the_requester(bus, gateway) -> None:
     assert (bad_step[-1].kind, bad_step[-1].status) == (EventKind.ERROR, 500) and "kaboom" in bad_step[-1].error
 
 
+async def test_a_failed_step_ends_every_request_even_if_aborts_fail(bus, gateway) -> None:
+    """A step that raises fails every request it ran, each with an error event, even when the broken engine
+    cannot abort them either."""
+    class BrokenEngine(FakeEngine):
+        def abort_request(self, request_ids) -> None:
+            raise RuntimeError("cannot abort")
+
+    async with running(memory_worker(bus, BrokenEngine())):
+        healthy = await submit(gateway, "healthy", [1], max_tokens=10_000)
+        await asyncio.wait_for(healthy.get(), 5)  # accepted, then running
+        bad = await until_finished(await submit(gateway, "step", [BOOM_ON_STEP], max_tokens=2))
+        ended = await until_finished(healthy)
+    for events in (bad, ended):
+        assert (events[-1].kind, events[-1].status) == (EventKind.ERROR, 500) and "kaboom" in events[-1].error
+
+
 async def test_a_hung_step_stops_the_heartbeats(bus, gateway) -> None:
     async with running(memory_worker(bus, FakeEngine(step_s=3.0))):  # heartbeat TTL 1 s
         await until(lambda: "w0" in bus.live_beats())
