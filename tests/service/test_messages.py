@@ -74,6 +74,7 @@ def test_a_reply_batch_round_trips_as_arrays() -> None:
 
 
 @pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], False, 0, None, 500]],  # unknown kind
+                                    [["r1", 0, ["output"], [], False, 0, None, 500]],  # a kind not a string
                                     [["r1", 0, "output", [], False, 0, None]],  # a field missing
                                     [["r1", 0, "output", [[0, [1]]], False, 0, None, 500]],  # a choice short
                                     "not a list"])
