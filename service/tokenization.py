@@ -66,7 +66,8 @@ class IncrementalDetokenizer:
         return text[len(prefix):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        # decode() is to_py_obj (a Python pass over the ids, twice a token here) then _decode: the ids are ints.
+        return self._tokenizer._decode(ids, skip_special_tokens=self._skip_special)
 
 
 class StopStringFilter:
