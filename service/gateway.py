@@ -426,9 +426,9 @@ class _Run:
             return
         now = time.perf_counter()
         if self.last_token_time is None:
-            self.gw.metrics.ttft.labels(self.gw.model_name).observe(now - self.start)
+            self.gw.metrics.model_ttft.observe(now - self.start)
         else:
-            self.gw.metrics.itl.labels(self.gw.model_name).observe(now - self.last_token_time)
+            self.gw.metrics.model_itl.observe(now - self.last_token_time)
         self.last_token_time = now
 
     def _record_finish(self) -> None:

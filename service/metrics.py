@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import fields
+from functools import cached_property
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,6 +40,15 @@ class GatewayMetrics:
         self.errors = Counter("pagedserve:http_errors", "Error responses by status.", ["status"],
                               registry=self.registry)
         self.registry.register(_EngineCollector(model_name, engines))
+
+    # Observed per token: labelled once, on first use (labels() is a locked dict lookup, ~1 us a call).
+    @cached_property
+    def model_ttft(self) -> Histogram:
+        return self.ttft.labels(self.model_name)
+
+    @cached_property
+    def model_itl(self) -> Histogram:
+        return self.itl.labels(self.model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
