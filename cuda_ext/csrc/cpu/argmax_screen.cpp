@@ -10,6 +10,7 @@
 // first maximum on ties included.
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "parallel.h"
 #include "skinny_tile.h"
 
 namespace pagedserve {
@@ -139,6 +141,13 @@ int64_t best_survivor(const std::vector<RowScreen>& screens, int64_t r, const fl
 // Rows whose bound could overflow (non-finite or huge values) are left to the plain argmax.
 constexpr double kHuge = 1e30;
 
+// |v|_2 in double, rounded up by a relative 1e-6 so that rounding never shrinks a bound built on it.
+double norm_up(const float* v, int64_t n) {
+  double sq = 0;
+  for (int64_t k = 0; k < n; ++k) sq += double(v[k]) * v[k];
+  return std::sqrt(sq) * (1 + 1e-6);
+}
+
 std::optional<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
                                           const at::Tensor& bounds, const float* bias) {
   const int64_t m = x.size(0), k_len = x.size(1), n = weight.size(0);
@@ -148,9 +157,7 @@ std::optional<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor&
   Pass in{xb.data_ptr<BFloat16>(), screen.data_ptr<BFloat16>(), screen.size(1) * screen.size(2), k_len, m, n,
           norms, norms + n, bias, std::vector<float>(m)};
   for (int64_t r = 0; r < m; ++r) {
-    double sq = 0;
-    for (int64_t k = 0; k < k_len; ++k) sq += double(xp[r * k_len + k]) * xp[r * k_len + k];
-    const double width = rel * std::sqrt(sq) * (1.0 + 1e-6);
+    const double width = rel * norm_up(xp + r * k_len, k_len);
     if (!std::isfinite(width) || width * w_max > kHuge) return std::nullopt;
     in.x_width[r] = static_cast<float>(width);
   }
@@ -160,9 +167,7 @@ std::optional<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor&
     idx.data_ptr<int64_t>()[r] = best_survivor(screens, r, xp + r * k_len, weight.data_ptr<float>(), bias, k_len);
   return idx;
 }
-#endif
 
-#ifdef PAGEDSERVE_SKINNY_BF16
 // bf16 panels (pack_linear_weight of the bf16 weight) and the bounds rows (|w|_2 rounded up, slack).
 std::tuple<at::Tensor, at::Tensor> pack_bf16(const at::Tensor& weight, const float* bias) {
   const int64_t n = weight.size(0), k_len = weight.size(1);
@@ -170,9 +175,7 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16(const at::Tensor& weight, const flo
   float *norms = bounds.data_ptr<float>(), *slack = norms + n;
   const float* wp = weight.data_ptr<float>();
   for (int64_t c = 0; c < n; ++c) {
-    double sq = 0;
-    for (int64_t k = 0; k < k_len; ++k) sq += double(wp[c * k_len + k]) * wp[c * k_len + k];
-    const double norm = std::sqrt(sq) * (1 + 1e-6);  // rounded up: rounding must not shrink the bound
+    const double norm = norm_up(wp + c * k_len, k_len);
     const double b = bias == nullptr ? 0.0 : std::fabs(double(bias[c]));
     norms[c] = static_cast<float>(norm);
     slack[c] = static_cast<float>((8.0 * k_len * 0x1p-126 * (1 + norm) + std::ldexp(b, -20)) * (1 + 1e-6));
@@ -207,11 +210,8 @@ std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weig
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(at::isfinite(weight).all().item<bool>() && (!has_bias || at::isfinite(*bias).all().item<bool>()),
               "pack_argmax_screen: the weight and bias must be finite");
-  const at::Tensor w = weight.contiguous();
-  const at::Tensor b = has_bias ? bias->to(at::kFloat) : at::Tensor();
-  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
 #ifdef PAGEDSERVE_SKINNY_BF16
-  return pack_bf16(w, bp);
+  return pack_bf16(weight.contiguous(), has_bias ? bias->data_ptr<float>() : nullptr);
 #else
   TORCH_CHECK(false, "pack_argmax_screen: not in this build");
 #endif

@@ -16,8 +16,8 @@
 // pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
 // pair of weights per lane and adds both products to the fp32 accumulator.
 #include <ATen/Functions.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "parallel.h"
 #include "skinny_tile.h"
 
 namespace pagedserve {

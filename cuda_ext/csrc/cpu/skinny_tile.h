@@ -3,23 +3,10 @@
 // element type: fp32 (FMA) and bf16 (vdpbf16ps, AVX512-BF16 builds).
 #pragma once
 
-#include <ATen/Functions.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#include <algorithm>
-#include <cmath>
+#include <cstdint>
 #include <cstring>
-#include <limits>
-#include <optional>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -27,7 +14,6 @@
 #endif
 
 namespace pagedserve::skinny {
-
 
 using Vec = at::vec::Vectorized<float>;
 using c10::BFloat16;
