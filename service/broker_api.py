@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from service.messages import (EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError,
                               StreamRecord, decode)
@@ -122,3 +122,18 @@ class WorkerBroker(Protocol):
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]: ...
     async def gateways(self) -> dict[str, GatewayBeat]: ...
     async def heartbeat(self, beat: Heartbeat) -> None: ...
+
+
+@runtime_checkable
+class LaneBroker(Protocol):
+    """A worker broker whose publish and poll can ride on the engine's step thread (the Redis one,
+    ``service.step_lane``): ``lane_send`` before a step and ``lane_receive`` after it, on that thread; then,
+    on the event loop, ``lane_published`` (raises ``BrokerUnavailable`` unless the publish landed whole, as
+    ``publish`` would) and ``lane_polled`` (what ``poll`` returns). ``lane_ready`` says whether the next
+    step may use it; when not, the worker goes through ``poll`` and ``publish``."""
+
+    def lane_ready(self) -> bool: ...
+    def lane_send(self, items: list[Reply], checkpoints: list[Progress], count: int) -> Any: ...
+    def lane_receive(self, call: Any) -> None: ...
+    def lane_published(self, call: Any) -> None: ...
+    async def lane_polled(self, call: Any) -> tuple[list[Pulled], list[str]]: ...

@@ -23,21 +23,35 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from service.broker import GROUP, UNFINISHED_TTL_S, _unavailable_on_error, connect, ensure_group
-from service.broker_api import Pulled, Reply, RequestHandle, read_request, rows_by_gateway
+from service.broker_api import BrokerUnavailable, Pulled, Reply, RequestHandle, read_request, rows_by_gateway
 from service.config import RedisConfig
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, SchemaError, StreamRecord, decode, encode,
                               pack_batch)
 from service.redis_keys import RESUMES, Keys, consumer_name, split_consumer
+from service.step_lane import Command, StepLane
 from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
 
 _DEADLETTER_MAXLEN = 10_000
+_LANE_RETRY_S = 0.5
+
+
+@dataclass(slots=True)
+class LaneCall:
+    """One exchange on the step lane: the publish's commands first, then the poll's."""
+
+    publish: int  # how many commands are the publish's
+    pulls: bool  # the poll asked for new entries (XREADGROUP), before the aborts (XREAD)
+    finished: list[RequestHandle]
+    sent: bool
+    replies: list | None = None  # None: the exchange failed
 
 
 class RedisWorkerBroker:
@@ -55,6 +69,7 @@ class RedisWorkerBroker:
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._client: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
+        self._lane: StepLane | None = None
         self._abort_cursor = b"0-0"
         self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
         self._expire_due: dict[str, float] = {}  # gateway id -> when its out stream's TTL is renewed next
@@ -65,6 +80,7 @@ class RedisWorkerBroker:
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
+        self._lane = StepLane(self.config, retry_s=_LANE_RETRY_S)
         await ensure_group(self._client, self._requests)
         # Aborts from the last minute still matter: their requests may be queued.
         self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
@@ -78,6 +94,7 @@ class RedisWorkerBroker:
             pass
         await self._client.aclose()
         await self._blocking.aclose()
+        self._lane.close()
 
     @_unavailable_on_error
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
@@ -179,40 +196,93 @@ class RedisWorkerBroker:
         """One ReplyBatch per gateway, then the checkpoints, then the finished requests' acks; all or
         nothing for the caller, which keeps the items and calls again on failure (duplicates of events
         whose first try landed are dropped by the gateway, by index)."""
-        pipe = self._client.pipeline(transaction=False)
+        commands, finished = self._publish_commands(items, checkpoints)
+        await self._execute(commands)
+        self._published(finished)
+
+    def _publish_commands(self, items: list[Reply], checkpoints: list[Progress]) -> tuple[list[Command],
+                                                                                          list[RequestHandle]]:
+        """``publish``'s commands (for either client), and the finished requests among the items."""
+        commands: list[Command] = []
         min_id = f"{int(time.time() * 1000) - self._reply_ttl_s * 1000}-0"
         now = time.monotonic()
         for gateway_id, rows in rows_by_gateway(items).items():
             out = self._keys.out(gateway_id)
-            pipe.xadd(out, {"b": pack_batch(self.engine_id, self.incarnation, rows)}, minid=min_id, approximate=True)
+            commands.append(("XADD", out, "MINID", "~", min_id, "*", "b",
+                             pack_batch(self.engine_id, self.incarnation, rows)))
             if self._expire_due.get(gateway_id, 0.0) <= now:
                 # Gone once nothing wrote to it for the retention window: renewed every second or so, not every step.
-                pipe.expire(out, self._reply_ttl_s)
+                commands.append(("EXPIRE", out, self._reply_ttl_s))
                 self._expire_due[gateway_id] = now + min(1.0, self._reply_ttl_s / 4)
         for progress in checkpoints:
-            pipe.set(self._keys.progress(progress.request_id), encode(progress), ex=UNFINISHED_TTL_S)
+            commands.append(("SET", self._keys.progress(progress.request_id), encode(progress), "EX", UNFINISHED_TTL_S))
         finished = [handle for handle, row in items if row[ROW_FINISHED]]
-        self._finish(pipe, finished)
-        await pipe.execute()
+        return commands + self._finish_commands(finished), finished
+
+    def _published(self, finished: list[RequestHandle]) -> None:
         self._running.difference_update(h.entry_id for h in finished)
 
-    def _finish(self, pipe: aioredis.client.Pipeline, handles: list[RequestHandle]) -> None:
+    def _finish_commands(self, handles: list[RequestHandle]) -> list[Command]:
         if not handles:
-            return
-        for handle in handles:
-            if handle.request_id:
-                for key in (self._keys.request, self._keys.owner, self._keys.progress):
-                    pipe.expire(key(handle.request_id), self._reply_ttl_s)
+            return []
+        commands: list[Command] = [("EXPIRE", key(handle.request_id), self._reply_ttl_s) for handle in handles
+                                   if handle.request_id for key in (self._keys.request, self._keys.owner,
+                                                                    self._keys.progress)]
         entry_ids = [h.entry_id for h in handles]
-        pipe.xack(self._requests, GROUP, *entry_ids)
-        pipe.xdel(self._requests, *entry_ids)
+        return commands + [("XACK", self._requests, GROUP, *entry_ids), ("XDEL", self._requests, *entry_ids)]
+
+    async def _execute(self, commands: list[Command]) -> list:
+        pipe = self._client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return await pipe.execute()
+
+    # The step lane (service.step_lane): publish + poll on the engine's step thread, around a step.
+
+    def lane_ready(self) -> bool:
+        """The lane may carry the next step's exchange: it is connected (or due for a try) and no failed
+        read left entries to recover (the asyncio ``poll`` does that)."""
+        return self._lane is not None and not self._recover and self._lane.ready()
+
+    def lane_send(self, items: list[Reply], checkpoints: list[Progress], count: int) -> LaneCall:
+        """Step thread, before the step: ``publish``'s commands, then ``poll``'s (non-blocking)."""
+        commands, finished = self._publish_commands(items, checkpoints)
+        poll: list[Command] = [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, "STREAMS",
+                                self._requests, ">")] if count else []
+        poll.append(("XREAD", "STREAMS", self._keys.aborts, self._abort_cursor))
+        return LaneCall(len(commands), bool(count), finished, self._lane.send(commands + poll))
+
+    def lane_receive(self, call: LaneCall) -> None:
+        """Step thread, after the step."""
+        call.replies = self._lane.receive() if call.sent else None
+
+    def lane_published(self, call: LaneCall) -> None:
+        """Raises BrokerUnavailable unless the whole publish landed (the caller keeps its items then)."""
+        if call.replies is None or any(isinstance(r, ResponseError) for r in call.replies[:call.publish]):
+            self._recover = True  # the poll's entries may have been delivered, their reply lost
+            raise BrokerUnavailable("cannot reach Redis: the step lane's exchange failed")
+        self._published(call.finished)
+
+    @_unavailable_on_error
+    async def lane_polled(self, call: LaneCall) -> tuple[list[Pulled], list[str]]:
+        """The poll's part of a published call, as ``poll`` returns it. A command's error (say NOGROUP after
+        Redis restarted empty) is left to the next ``poll``, which recovers."""
+        replies = call.replies[call.publish:]
+        if any(isinstance(r, ResponseError) for r in replies):
+            self._recover = True
+            return [], []
+        fresh = [(e, f) for _, stream in _stream_reply(replies[0]) for e, f in stream] if call.pulls else []
+        try:
+            pulled = await self._claim(fresh, mine_ok=False)
+        except Exception:
+            self._recover = True
+            raise
+        return pulled, self._read_aborts(_stream_reply(replies[-1]))
 
     @_unavailable_on_error
     async def ack(self, handle: RequestHandle) -> None:
         """Ends an entry that needs no reply: unreadable, or its request finished before."""
-        pipe = self._client.pipeline(transaction=False)
-        self._finish(pipe, [handle])
-        await pipe.execute()
+        await self._execute(self._finish_commands([handle]))
         self._running.discard(handle.entry_id)
 
     @_unavailable_on_error
@@ -303,6 +373,12 @@ class RedisWorkerBroker:
         previous, _ = await pipe.execute()
         if previous is None:  # the first beat, an expiry, or Redis restarted empty
             self.lost_state = True
+
+
+def _stream_reply(reply: list | None) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
+    """A raw XREAD/XREADGROUP reply in redis-py's shape: per stream, (entry id, fields as a dict)."""
+    return [(name, [(entry_id, dict(zip(flat[::2], flat[1::2])) if flat else {}) for entry_id, flat in entries])
+            for name, entries in reply or []]
 
 
 def _alive(beat: bytes | None, incarnation: str) -> bool:

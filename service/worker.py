@@ -33,7 +33,7 @@ from engine.outputs import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-from service.broker_api import BrokerUnavailable, Pulled, Reply, RequestHandle, WorkerBroker
+from service.broker_api import BrokerUnavailable, LaneBroker, Pulled, Reply, RequestHandle, WorkerBroker
 from service.config import WorkerConfig
 from service.messages import (EventKind, EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, event_row,
                               output_row)
@@ -99,6 +99,7 @@ class Worker:
         self.model_name = model_name
         self.incarnation = broker.incarnation
         self.broker = broker
+        self._lane = broker if isinstance(broker, LaneBroker) else None
         self.exit_code = 0
         self._owned: dict[str, _Run] = {}
         self._recent_aborts: dict[str, None] = {}
@@ -162,11 +163,19 @@ class Worker:
         events += await self._admit(polled.pulled) + self._abort_owned(polled.aborts)
         if polled.gateways is not None:
             events += self._abort_orphans(polled.gateways)
-        await self._publish_later(events, await self._taken_over(events))
+        await self._publish_later(events, await self._taken_over(events),
+                                  for_lane=self.engine.has_unfinished_requests() and self._lane_ready())
         self._refresh_stats()
 
+    def _lane_ready(self) -> bool:
+        return self._lane is not None and self._lane.lane_ready()
+
     async def _step_while_polling(self, room: int) -> tuple[Published, _Polled]:
-        """The Redis round trips for new requests and aborts overlap the engine step."""
+        """The Redis round trips for new requests and aborts, and the last replies' publish, overlap the
+        engine step: on the broker's step lane when it has one, else on the event loop."""
+        if self._lane_ready():
+            return await self._step_on_lane(room)
+        await self._publish_later([])  # what was kept for the lane goes out now
         step = asyncio.ensure_future(self._step())
         try:
             polled = await self._poll(room, block=False)
@@ -175,14 +184,49 @@ class Worker:
             polled = _Polled([], [])
         return await step, polled
 
+    async def _step_on_lane(self, room: int) -> tuple[Published, _Polled]:
+        """One exchange on the step thread around the step: the outbox and the due checkpoints go out just
+        before it, new requests and aborts come back just after; no event-loop round trip in between."""
+        if self._publishing is not None:  # a flush from an idle moment: it lands (or fails) first
+            previous, self._publishing = self._publishing, None
+            await previous
+        items, runs, checkpoints = self._outgoing()
+        loop = asyncio.get_running_loop()
+        call, outputs = await loop.run_in_executor(self._executor, self._lane_step, items, checkpoints, room)
+        try:
+            self._lane.lane_published(call)
+        except BrokerUnavailable as exc:
+            self._keep_outbox(exc)
+            return self._step_outputs(outputs), _Polled([], [])
+        self._sent(len(items), runs)
+        try:
+            polled = await self._housekeep(_Polled(*await self._lane.lane_polled(call)), room)
+        except BrokerUnavailable as exc:
+            log.warning("polling: %s", exc)
+            polled = _Polled([], [])
+        return self._step_outputs(outputs), polled
+
+    def _lane_step(self, items: Published, checkpoints: list[Progress], room: int) -> tuple[Any, Any]:
+        """On the step thread: (the lane's call, the step's outputs or the exception it raised)."""
+        call = self._lane.lane_send(items, checkpoints, room)
+        try:
+            return call, self.engine.step()
+        except Exception as exc:
+            return call, exc
+        finally:
+            self._lane.lane_receive(call)
+
     async def _poll(self, room: int, block: bool) -> _Polled:
         pulled, aborts = await self.broker.poll(room, block)
-        polled = _Polled(pulled, aborts)
+        return await self._housekeep(_Polled(pulled, aborts), room)
+
+    async def _housekeep(self, polled: _Polled, room: int) -> _Polled:
+        """Every heartbeat interval: dead engines' requests (with room for them) and the live gateways."""
         if time.monotonic() >= self._housekeeping_at:
             self._housekeeping_at = time.monotonic() + self.config.heartbeat_interval_s
             try:
-                if room > len(pulled):
-                    polled.pulled += await self.broker.reclaim(room - len(pulled))
+                if room > len(polled.pulled):
+                    polled.pulled += await self.broker.reclaim(room - len(polled.pulled))
                 polled.gateways = await self.broker.gateways()
             except BrokerUnavailable as exc:
                 log.warning("reading dead engines and live gateways: %s", exc)
@@ -208,27 +252,35 @@ class Worker:
             self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
         return lost
 
-    async def _publish_later(self, events: Published, dropped: set[str] = frozenset()) -> None:
-        """Publishes while the next step runs; waits for the previous call first, so each
-        request's replies stay in order. What failed to go out goes first next time."""
+    async def _publish_later(self, events: Published, dropped: set[str] = frozenset(), for_lane: bool = False) -> None:
+        """Publishes while the next step runs (``for_lane``: the next step's lane exchange carries the
+        outbox); waits for the previous call first, so each request's replies stay in order. What failed
+        to go out goes first next time."""
         previous, self._publishing = self._publishing, None
         if previous is not None:
             await previous
         self._outbox += events
         if dropped:
             self._outbox = [item for item in self._outbox if item[0].request_id not in dropped]
-        if self._outbox:
+        if self._outbox and not for_lane:
             self._publishing = asyncio.create_task(self._flush())
 
     async def _flush(self) -> None:
-        items, runs = self._outbox, self._checkpoint_due()
-        now_ms = int(time.time() * 1000)
+        items, runs, checkpoints = self._outgoing()
         try:
-            await self.broker.publish(items, [run.progress(now_ms) for run in runs])
+            await self.broker.publish(items, checkpoints)
         except BrokerUnavailable as exc:
             self._keep_outbox(exc)
             return
-        self._outbox, self._outbox_failing_since = self._outbox[len(items):], None
+        self._sent(len(items), runs)
+
+    def _outgoing(self) -> tuple[Published, list[_Run], list[Progress]]:
+        """The outbox and the checkpoints due with it; the outbox is only added to until ``_sent``."""
+        runs, now_ms = self._checkpoint_due(), int(time.time() * 1000)
+        return self._outbox, runs, [run.progress(now_ms) for run in runs]
+
+    def _sent(self, count: int, runs: list[_Run]) -> None:
+        self._outbox, self._outbox_failing_since = self._outbox[count:], None
         for run in runs:
             run.checkpointed = run.next_index
 
@@ -341,9 +393,14 @@ class Worker:
         try:
             outputs = await loop.run_in_executor(self._executor, self.engine.step)
         except Exception as exc:
-            log.exception("engine step failed; failing its requests")
+            outputs = exc
+        return self._step_outputs(outputs)
+
+    def _step_outputs(self, outputs: list[RequestOutput] | Exception) -> Published:
+        if isinstance(outputs, Exception):
+            log.error("engine step failed; failing its requests", exc_info=outputs)
             self._count_step(failed=True)
-            return self._fail_all(f"engine step failed: {exc}", status=500)
+            return self._fail_all(f"engine step failed: {outputs}", status=500)
         # The engine fails a bad request alone, not the step: a step that failed requests and produced no
         # token failed too (a broken device fails every request it runs, one after the other).
         if any(out.error for out in outputs):
