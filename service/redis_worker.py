@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -52,6 +52,9 @@ class LaneCall:
     finished: list[RequestHandle]
     sent: bool
     replies: list | None = None  # None: the exchange failed
+    fresh: list[tuple[bytes, dict]] = field(default_factory=list)  # the entries the poll delivered
+    pulled: list[Pulled] = field(default_factory=list)  # read from them
+    owners: list | None = None  # ``_own``'s replies for the readable ones; None: that exchange failed
 
 
 class RedisWorkerBroker:
@@ -142,14 +145,21 @@ class RedisWorkerBroker:
         return [(e, f) for entries in await pipe.execute() for e, f in entries if f]
 
     async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
-        """Each request's owner key, set if absent: one already set is a duplicate entry's (or, with
-        ``mine_ok``, this consumer's own claim from a read whose reply was lost), unless the entry is a
-        gateway's re-queue (field RESUMES) and that owner is dead: then the request is taken over."""
-        pulled = [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
+        """Each request's owner key, set if absent (see ``_claimed``)."""
+        pulled = _read_entries(entries)
+        readable = [p for p in pulled if p.msg is not None]
+        owners = await self._own([p.msg.request_id for p in readable]) if readable else []
+        return await self._claimed(entries, pulled, owners, mine_ok)
+
+    async def _claimed(self, entries: list[tuple[bytes, dict]], pulled: list[Pulled], owners: list[bytes | None],
+                       mine_ok: bool) -> list[Pulled]:
+        """``owners``: what each readable request's owner key held before ``_own``. One already set is a
+        duplicate entry's (or, with ``mine_ok``, this consumer's own claim from a read whose reply was lost),
+        unless the entry is a gateway's re-queue (field RESUMES) and that owner is dead: then the request is
+        taken over."""
         readable = [p for p in pulled if p.msg is not None]
         if not readable:
             return pulled
-        owners = await self._own([p.msg.request_id for p in readable])
         me = self.consumer.encode()
         requeued = {entry_id for entry_id, fields in entries if RESUMES.encode() in fields}
         orphans = await self._of_dead_owners([(p, old) for p, old in zip(readable, owners)
@@ -176,6 +186,11 @@ class RedisWorkerBroker:
         for request_id in request_ids:
             pipe.set(self._keys.owner(request_id), self.consumer, nx=True, get=True, ex=UNFINISHED_TTL_S)
         return await pipe.execute()
+
+    def _own_commands(self, request_ids: list[str]) -> list[Command]:
+        """``_own`` for the step lane, whose replies are raw (redis-py's SET callback needs its ``get``
+        keyword to return the old value, so ``_own`` keeps the keyword form)."""
+        return [("SET", self._keys.owner(rid), self.consumer, "NX", "GET", "EX", UNFINISHED_TTL_S) for rid in request_ids]
 
     async def _drop(self, *entry_ids: bytes) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -253,8 +268,18 @@ class RedisWorkerBroker:
         return LaneCall(len(commands), bool(count), finished, self._lane.send(commands + poll))
 
     def lane_receive(self, call: LaneCall) -> None:
-        """Step thread, after the step."""
+        """Step thread, after the step; new entries are claimed (``_own``) in a second exchange at once."""
         call.replies = self._lane.receive() if call.sent else None
+        if not call.pulls or call.replies is None or isinstance(reply := call.replies[call.publish], ResponseError):
+            return
+        call.fresh = [(e, f) for _, stream in _stream_reply(reply) for e, f in stream]
+        call.pulled = _read_entries(call.fresh)
+        ids = [p.msg.request_id for p in call.pulled if p.msg is not None]
+        if ids and self._lane.send(self._own_commands(ids)):
+            owners = self._lane.receive()
+            call.owners = None if owners is None or any(isinstance(o, ResponseError) for o in owners) else owners
+        elif not ids:
+            call.owners = []
 
     def lane_published(self, call: LaneCall) -> None:
         """Raises BrokerUnavailable unless the whole publish landed (the caller keeps its items then)."""
@@ -268,12 +293,13 @@ class RedisWorkerBroker:
         """The poll's part of a published call, as ``poll`` returns it. A command's error (say NOGROUP after
         Redis restarted empty) is left to the next ``poll``, which recovers."""
         replies = call.replies[call.publish:]
-        if any(isinstance(r, ResponseError) for r in replies):
+        # A failed claim may have landed: the entries stay pending here, and the next poll's recovery
+        # claims them as this consumer's own.
+        if any(isinstance(r, ResponseError) for r in replies) or (call.pulls and call.owners is None):
             self._recover = True
             return [], []
-        fresh = [(e, f) for _, stream in _stream_reply(replies[0]) for e, f in stream] if call.pulls else []
         try:
-            pulled = await self._claim(fresh, mine_ok=False)
+            pulled = await self._claimed(call.fresh, call.pulled, call.owners, mine_ok=False)
         except Exception:
             self._recover = True
             raise
@@ -373,6 +399,10 @@ class RedisWorkerBroker:
         previous, _ = await pipe.execute()
         if previous is None:  # the first beat, an expiry, or Redis restarted empty
             self.lost_state = True
+
+
+def _read_entries(entries: list[tuple[bytes, dict]]) -> list[Pulled]:
+    return [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
 
 
 def _stream_reply(reply: list | None) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
