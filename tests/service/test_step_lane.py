@@ -14,7 +14,10 @@ from service.redis_keys import Keys
 from service.step_lane import StepLane, encode_commands
 from tests.service.conftest import running
 from tests.service.fake_engine import FakeEngine
-from tests.service.test_worker_redis import client, finished, make_worker, settled, submit, tokens, until_async  # noqa: F401
+from tests.service import test_worker_redis
+from tests.service.test_worker_redis import finished, make_worker, settled, submit, tokens, until_async
+
+client = test_worker_redis.client  # the fixture: a client of the test's prefix, its gateway beating
 
 
 def test_encode_commands_is_resp() -> None:
@@ -22,7 +25,7 @@ def test_encode_commands_is_resp() -> None:
         b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n$2\r\nEX\r\n$1\r\n5\r\n")
 
 
-async def test_replies_in_order_errors_in_place(redis_config: RedisConfig, client) -> None:  # noqa: F811
+async def test_replies_in_order_errors_in_place(redis_config: RedisConfig, client) -> None:
     lane, key = StepLane(redis_config, retry_s=0.5), f"{redis_config.prefix}:k"
     payload = bytes(range(256)) * 4  # binary-safe: CR LF and NULs inside
     assert lane.send([("SET", key, payload, "EX", 60), ("GET", key), ("XADD", key, "*", "f", "v"),
@@ -34,7 +37,7 @@ async def test_replies_in_order_errors_in_place(redis_config: RedisConfig, clien
     lane.close()
 
 
-async def test_a_failed_exchange_closes_the_lane_until_retry(redis_config: RedisConfig, client) -> None:  # noqa: F811
+async def test_a_failed_exchange_closes_the_lane_until_retry(redis_config: RedisConfig, client) -> None:
     lane = StepLane(redis_config, retry_s=0.3)
     assert lane.send([("CLIENT", "SETNAME", "lane-under-test")]) and lane.receive() == [b"OK"]
     await client.client_kill_filter(_type="normal", skipme=True)  # the link drops under the lane
@@ -53,7 +56,7 @@ def test_an_unreachable_redis_is_tried_once_per_interval() -> None:
 
 
 @pytest.mark.parametrize("lane_works", [True, False])
-async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisConfig, client, lane_works) -> None:  # noqa: F811
+async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisConfig, client, lane_works) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine()
     worker = make_worker(redis_config, engine)
     broker, sends = worker.broker, []
