@@ -6,7 +6,9 @@ against the same loop back to back (the reply path's per-step costs, issue 11 po
 Each row is one loop on the main thread, its CPU time (``time.thread_time``) per iteration, without a gap
 and with a ``--gap-ms`` sleep between iterations: a plain ``time.sleep``; an ``asyncio.sleep`` on uvloop (one
 event-loop wake-up); a redis-py pipeline of two 8 KB XADDs against a private redis-server (a worker's
-publish); ``run_in_executor`` of a 0.5 ms sleep (the worker's step hand-off). On bare metal a wake-up costs
+publish); the same two XADDs on the worker's step lane (``service.step_lane``: one blocking connection, the
+commands in one buffer, replies read after the write returns); ``run_in_executor`` of a 0.5 ms sleep (the
+worker's step hand-off, which a step after a short one no longer pays). On bare metal a wake-up costs
 a few microseconds; on a virtual machine that idles its vCPUs it can cost far more, and a worker that
 sleeps between steps pays it several times a step.
 """
@@ -36,9 +38,11 @@ async def main(args: argparse.Namespace) -> None:
     from service.broker import connect
     from service.config import RedisConfig
     from service.local_stack import LocalStack
+    from service.step_lane import StepLane
 
     stack = LocalStack().start()
-    client = connect(RedisConfig(url=stack.redis_url, prefix="wakeups"))
+    config = RedisConfig(url=stack.redis_url, prefix="wakeups")
+    client, lane = connect(config), StepLane(config, retry_s=0.5)
     executor, loop = ThreadPoolExecutor(1), asyncio.get_running_loop()
     payload = b"x" * 8000
 
@@ -54,11 +58,16 @@ async def main(args: argparse.Namespace) -> None:
             pipe.xadd(stream, {"b": payload}, maxlen=1000, approximate=True)
         await pipe.execute()
 
+    async def on_lane() -> None:
+        lane.send([("XADD", stream, "MAXLEN", "~", 1000, "*", "b", payload) for stream in ("s1", "s2")])
+        lane.receive()
+
     async def hand_off() -> None:
         await loop.run_in_executor(executor, time.sleep, 0.0005)
 
     rows = [("time.sleep (the gap itself)", plain_sleep, 0.0), ("asyncio.sleep on uvloop", nothing, None),
-            ("redis-py pipeline, 2 XADDs", publish, None), ("run_in_executor, 0.5 ms", hand_off, None)]
+            ("redis-py pipeline, 2 XADDs", publish, None), ("step lane, 2 XADDs", on_lane, None),
+            ("run_in_executor, 0.5 ms", hand_off, None)]
     try:
         print(f"{'loop':32} {'back to back':>14} {f'{args.gap_ms} ms apart':>14}  (µs of CPU per iteration)")
         for label, work, gap in rows:
@@ -67,6 +76,7 @@ async def main(args: argparse.Namespace) -> None:
             print(f"{label:32} {'' if tight is None else f'{tight:.0f}':>14} {spaced:>14.0f}")
     finally:
         await client.aclose()
+        lane.close()
         executor.shutdown()
         stack.stop()
 

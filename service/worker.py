@@ -2,9 +2,14 @@
 ``service.memory_broker`` in unit tests).
 
 Each iteration: pull new requests only if the engine has room (so idle engines
-take the work: pull-based balancing), apply aborts, run one engine step in a
-dedicated thread (torch is synchronous), and publish every reply of the step in
-one call, overlapping the next step. Every heartbeat interval, between steps, it
+take the work: pull-based balancing), apply aborts, run one engine step, and
+publish every reply of the step in one call, overlapping the next step. With the
+Redis broker the publish and the poll ride on the step itself (its step lane,
+``service.step_lane``): sent just before the step, read just after it, on the
+thread that steps; a step after a short one runs on the event loop's thread (no
+hand-off), a long one in a dedicated thread, so the heartbeat keeps going. When
+the lane is down, the same calls go through the broker's asyncio client while the
+step runs in the thread. Every heartbeat interval, between steps, it
 also takes over the requests of dead engines (resuming each where its transcript
 ends) and aborts requests whose gateway has been gone for ``orphan_grace_s``
 unless a live gateway adopted them (a client resumed its stream there).
