@@ -190,7 +190,8 @@ class RedisWorkerBroker:
     def _own_commands(self, request_ids: list[str]) -> list[Command]:
         """``_own`` for the step lane, whose replies are raw (redis-py's SET callback needs its ``get``
         keyword to return the old value, so ``_own`` keeps the keyword form)."""
-        return [("SET", self._keys.owner(rid), self.consumer, "NX", "GET", "EX", UNFINISHED_TTL_S) for rid in request_ids]
+        return [("SET", self._keys.owner(rid), self.consumer, "NX", "GET", "EX", UNFINISHED_TTL_S)
+                for rid in request_ids]
 
     async def _drop(self, *entry_ids: bytes) -> None:
         pipe = self._client.pipeline(transaction=False)

@@ -181,7 +181,8 @@ class Worker:
         engine step: on the broker's step lane when it has one, else on the event loop."""
         if self._lane_ready():
             return await self._step_on_lane(room)
-        await self._publish_later([])  # what was kept for the lane goes out now
+        if self._publishing is None and self._outbox:  # kept for the lane, which is down now
+            self._publishing = asyncio.create_task(self._flush())
         step = asyncio.ensure_future(self._step())
         try:
             polled = await self._poll(room, block=False)
@@ -251,7 +252,7 @@ class Worker:
         """After a gap in the beats longer than their TTL (a hung step, Redis out of reach), other engines may
         have resumed some of this one's requests: those are dropped here, their replies unpublished. After
         Redis lost its state (restarted empty), ownership of the rest is re-asserted and their checkpoints
-        are written again at the next interval."""
+        are written again with the next publish."""
         if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s and not self.broker.lost_state:
             return set()
         handles = {h.request_id: h for h, _ in self._outbox + events}
@@ -262,6 +263,7 @@ class Worker:
             return set()
         for run in self._owned.values():
             run.checkpointed = -1
+        self._checkpoint_at = 0.0  # with the next publish, not an interval later: until then a resume has a hole
         if lost:
             log.warning("%d requests were resumed by other engines while this one stalled: dropping them", len(lost))
             self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
