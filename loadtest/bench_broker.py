@@ -107,7 +107,8 @@ async def run_worker(args: argparse.Namespace) -> dict:
 
     tune_gc()  # as the pagedserve worker does
     redis = RedisConfig(url=args.redis_url, prefix=args.prefix)
-    config = WorkerConfig(redis=redis, engine_id="bench-worker", max_pull=64, drain_timeout_s=0)
+    config = WorkerConfig(redis=redis, engine_id="bench-worker", max_pull=64, drain_timeout_s=0,
+                          step_lane=args.step_lane)
     engine = SyntheticEngine(args.step_ms / 1000, max_seqs=args.streams * 2)
     broker = RedisWorkerBroker(redis, config.engine_id, MODEL, config.reply_ttl_s, config.heartbeat_ttl_s)
     worker = Worker(config, engine, MODEL, broker)
@@ -357,7 +358,8 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict:
         ports = [free_port() for _ in range(args.gateways)]
         shares = [args.streams // args.gateways + (i < args.streams % args.gateways) for i in range(args.gateways)]
         gateways = [start([sys.executable, *GATEWAYS[args.gateway].argv(args, i, port)]) for i, port in enumerate(ports)]
-        children = {"worker": spawn("worker", f"{tmp}/worker.json", common)}
+        lane = ["--step-lane"] if args.step_lane else []
+        children = {"worker": spawn("worker", f"{tmp}/worker.json", common, *lane)}
         for i, (port, share) in enumerate(zip(ports, shares)):
             children[f"clients{i}"] = spawn("clients", f"{tmp}/clients{i}.json", common,  # the last --streams wins
                                             "--streams", str(share), "--port", str(port))
@@ -444,6 +446,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default="10000,20000,30000,40000", help="offered tok/s, comma-separated")
     parser.add_argument("--step-ms", type=float, help="one step time instead of --rates (offered = streams/step)")
     parser.add_argument("--tokens-per-request", type=int, default=200)
+    parser.add_argument("--step-lane", action="store_true", help="the worker's --step-lane")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=5.0)
     parser.add_argument("--json", help="write the report here")

@@ -4,8 +4,8 @@
 Each iteration: pull new requests only if the engine has room (so idle engines
 take the work: pull-based balancing), apply aborts, run one engine step, and
 publish every reply of the step in one call, overlapping the next step. With the
-Redis broker the publish and the poll ride on the step itself (its step lane,
-``service.step_lane``): sent just before the step, read just after it, on the
+Redis broker and ``step_lane`` on, the publish and the poll ride on the step itself
+(the step lane, ``service.step_lane``): sent just before the step, read just after it, on the
 thread that steps; a step after a short one runs on the event loop's thread (no
 hand-off), a long one in a dedicated thread, so the heartbeat keeps going. When
 the lane is down, the same calls go through the broker's asyncio client while the
@@ -104,7 +104,7 @@ class Worker:
         self.model_name = model_name
         self.incarnation = broker.incarnation
         self.broker = broker
-        self._lane = broker if isinstance(broker, LaneBroker) else None
+        self._lane = broker if config.step_lane and isinstance(broker, LaneBroker) else None
         self.exit_code = 0
         self._owned: dict[str, _Run] = {}
         self._recent_aborts: dict[str, None] = {}

@@ -58,7 +58,7 @@ def test_an_unreachable_redis_is_tried_once_per_interval() -> None:
 @pytest.mark.parametrize("lane_works", [True, False])
 async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisConfig, client, lane_works) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine()
-    worker = make_worker(redis_config, engine)
+    worker = make_worker(redis_config, engine, step_lane=True)
     broker, sends = worker.broker, []
     start = broker.start
 
