@@ -145,7 +145,7 @@ class WorkerConfig:
                                        "other engines")
     max_failed_steps: int = spec(5, low=1, help="consecutive failed engine steps that make the worker exit "
                                                 "(non-zero) for its supervisor to restart it")
-    # Off by default until a Redis restart's last events are known to survive it (README, "Reply path").
+    # Opt-in while its fault coverage is short (README, "Reply path").
     step_lane: bool = spec(False, help="send the publish and the poll on the step thread around each engine "
                                        "step (~2x less worker CPU per token) instead of the asyncio client")
     # A gateway's clients may reconnect elsewhere for this long (its requests are kept if one adopts them).
