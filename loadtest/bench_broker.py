@@ -358,7 +358,7 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict:
         ports = [free_port() for _ in range(args.gateways)]
         shares = [args.streams // args.gateways + (i < args.streams % args.gateways) for i in range(args.gateways)]
         gateways = [start([sys.executable, *GATEWAYS[args.gateway].argv(args, i, port)]) for i, port in enumerate(ports)]
-        lane = ["--step-lane"] if args.step_lane else []
+        lane = [] if args.step_lane else ["--no-step-lane"]
         children = {"worker": spawn("worker", f"{tmp}/worker.json", common, *lane)}
         for i, (port, share) in enumerate(zip(ports, shares)):
             children[f"clients{i}"] = spawn("clients", f"{tmp}/clients{i}.json", common,  # the last --streams wins
@@ -446,7 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default="10000,20000,30000,40000", help="offered tok/s, comma-separated")
     parser.add_argument("--step-ms", type=float, help="one step time instead of --rates (offered = streams/step)")
     parser.add_argument("--tokens-per-request", type=int, default=200)
-    parser.add_argument("--step-lane", action="store_true", help="the worker's --step-lane")
+    parser.add_argument("--no-step-lane", dest="step_lane", action="store_false",
+                        help="the worker's --no-step-lane (the asyncio reply path)")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=5.0)
     parser.add_argument("--json", help="write the report here")

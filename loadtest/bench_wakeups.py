@@ -8,7 +8,7 @@ and with a ``--gap-ms`` sleep between iterations: a plain ``time.sleep``; an ``a
 event-loop wake-up); a redis-py pipeline of two 8 KB XADDs against a private redis-server (a worker's
 publish); the same two XADDs on the worker's step lane (``service.step_lane``: one blocking connection, the
 commands in one buffer, replies read after the write returns); ``run_in_executor`` of a 0.5 ms sleep (the
-worker's step hand-off, which with ``--step-lane`` a step after a short one no longer pays). On bare metal a wake-up costs
+worker's step hand-off, which on the step lane a step after a short one no longer pays). On bare metal a wake-up costs
 a few microseconds; on a virtual machine that idles its vCPUs it can cost far more, and a worker that
 sleeps between steps pays it several times a step.
 """

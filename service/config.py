@@ -98,6 +98,11 @@ class GatewayConfig:
     resume_deadline_s: float = spec(15.0, low=0, flag="--resume-deadline",
                                     help="seconds a request waits for another engine to resume it once its "
                                          "engine (or every engine, or Redis) is gone, before a 503")
+    # Redis without persistence can ack an event and die before this gateway read it; its engine sends
+    # the last seconds' events again once it finds Redis restarted empty (WorkerConfig.replay_window_s).
+    gap_wait_s: float = spec(5.0, low=0, flag="--gap-wait",
+                             help="seconds a stream waits for a missing reply event (later ones are held) "
+                                  "before it ends with an error")
     accept_deadline_s: float = spec(60.0, low=0, low_open=True, flag="--accept-deadline",
                                     help="seconds a request waits for an engine to take it before a 503")
     reconnect_grace_s: float = spec(10.0, low=0, flag="--reconnect-grace",
@@ -134,6 +139,9 @@ class WorkerConfig:
                                   help="seconds after the last heartbeat when gateways give up on this engine")
     reply_ttl_s: int = spec(300, low=1, flag="--reply-ttl",
                             help="seconds a finished request's reply stream stays readable")
+    replay_window_s: float = spec(5.0, low=0, flag="--replay-window",
+                                  help="seconds of sent replies kept to send again when Redis is found "
+                                       "restarted empty (it may have lost them unread)")
     # Requests taken per step at most, so engines share the queue.
     max_pull: int = spec(8, low=1, help="most new requests taken per step")
     checkpoint_interval_s: float = spec(2.0, low=0, low_open=True, flag="--checkpoint-interval",
@@ -145,9 +153,9 @@ class WorkerConfig:
                                        "other engines")
     max_failed_steps: int = spec(5, low=1, help="consecutive failed engine steps that make the worker exit "
                                                 "(non-zero) for its supervisor to restart it")
-    # Opt-in while its fault coverage is short (README, "Reply path").
-    step_lane: bool = spec(False, help="send the publish and the poll on the step thread around each engine "
-                                       "step (~2x less worker CPU per token) instead of the asyncio client")
+    step_lane: bool = spec(True, flag="--no-step-lane",
+                           help="publish and poll on the asyncio client while the step runs, not on the step "
+                                "lane around each step (~2x more worker CPU per token)")
     # A gateway's clients may reconnect elsewhere for this long (its requests are kept if one adopts them).
     orphan_grace_s: float = spec(10.0, low=0, flag="--orphan-grace",
                                  help="seconds after a gateway's heartbeat is gone before its requests are aborted")

@@ -232,7 +232,7 @@ class RedisWorkerBroker:
                 self._expire_due[gateway_id] = now + min(1.0, self._reply_ttl_s / 4)
         for progress in checkpoints:
             commands.append(("SET", self._keys.progress(progress.request_id), encode(progress), "EX", UNFINISHED_TTL_S))
-        finished = [handle for handle, row in items if row[ROW_FINISHED]]
+        finished = [handle for handle, row in items if row[ROW_FINISHED] and handle.entry_id]  # not a resend
         return commands + self._finish_commands(finished), finished
 
     def _published(self, finished: list[RequestHandle]) -> None:

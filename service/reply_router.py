@@ -25,6 +25,8 @@ class Subscription:
     owner: tuple[str, str] | None = None  # (engine id, incarnation) of the last ACCEPTED
     lost_since: float | None = None  # monotonic: since when no live engine can serve it
     held: list[ReplyEvent] | None = None  # live events kept back while a resume replays the transcript
+    early: dict[int, ReplyEvent] | None = None  # by index: events past a gap, kept until it fills
+    gap_since: float | None = None  # monotonic: since when ``early`` waits
 
 
 class ReplyRouter:
@@ -119,13 +121,27 @@ class ReplyRouter:
         elif event.index < sub.expected:
             pass  # a duplicate: a retried publish, or a dead engine's late event
         elif event.index > sub.expected:
-            # Something in between is gone: better an error than text with a hole in it.
-            self._end(request_id, sub, f"lost reply events {sub.expected}..{event.index - 1}", 500)
+            self._hold_early(sub, event)
         else:
-            sub.expected += 1
-            sub.queue.put_nowait(event)
-            if event.finished or event.kind is EventKind.ERROR:
-                self.release(request_id)
+            self._deliver(request_id, sub, event)
+            while sub.early and self._subs.get(request_id) is sub and sub.expected in sub.early:
+                self._deliver(request_id, sub, sub.early.pop(sub.expected))
+            if not sub.early:
+                sub.early = sub.gap_since = None
+
+    @staticmethod
+    def _hold_early(sub: Subscription, event: ReplyEvent) -> None:
+        """Something in between is missing: it may come yet (an engine re-sending what a restarted Redis
+        lost), else ``gap_wait_s`` later the stream ends, better an error than text with a hole in it."""
+        if sub.early is None:
+            sub.early, sub.gap_since = {}, time.monotonic()
+        sub.early.setdefault(event.index, event)
+
+    def _deliver(self, request_id: str, sub: Subscription, event: ReplyEvent) -> None:
+        sub.expected += 1
+        sub.queue.put_nowait(event)
+        if event.finished or event.kind is EventKind.ERROR:
+            self.release(request_id)
 
     def _end(self, request_id: str, sub: Subscription, reason: str, status: int) -> None:
         """An error made here (engine id ""): the gateway still owes the engine an abort."""
@@ -185,6 +201,9 @@ class ReplyRouter:
         for request_id, sub in list(self._subs.items()):
             if sub.held is not None:
                 continue  # a resume is replaying it
+            if sub.gap_since is not None and now - sub.gap_since > self.config.gap_wait_s:
+                self._end(request_id, sub, f"lost reply events {sub.expected}..{min(sub.early) - 1}", 500)
+                continue
             if sub.owner is None and now - sub.since > self.config.accept_deadline_s:
                 self._end(request_id, sub, f"no engine took the request within {self.config.accept_deadline_s:g} s",
                           503)

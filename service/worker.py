@@ -30,6 +30,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -114,6 +115,8 @@ class Worker:
         self._publishing: asyncio.Task | None = None
         self._outbox: Published = []
         self._outbox_failing_since: float | None = None
+        self._sent_log: deque[tuple[float, Published]] = deque()  # (monotonic, items): what may need resending
+        self._outage_since: float | None = None  # the first failed publish since the last good beat
         self._checkpoint_at = 0.0
         self._housekeeping_at = 0.0
         self._gateway_gone_since: dict[str, float] = {}
@@ -169,7 +172,8 @@ class Worker:
         events += await self._admit(polled.pulled) + self._abort_owned(polled.aborts)
         if polled.gateways is not None:
             events += self._abort_orphans(polled.gateways)
-        await self._publish_later(events, await self._taken_over(events),
+        dropped, resent = await self._taken_over(events)
+        await self._publish_later(resent + events, dropped,
                                   for_lane=self.engine.has_unfinished_requests() and self._lane_ready())
         self._refresh_stats()
 
@@ -248,26 +252,40 @@ class Worker:
                 log.warning("reading dead engines and live gateways: %s", exc)
         return polled
 
-    async def _taken_over(self, events: Published) -> set[str]:
+    async def _taken_over(self, events: Published) -> tuple[set[str], Published]:
         """After a gap in the beats longer than their TTL (a hung step, Redis out of reach), other engines may
         have resumed some of this one's requests: those are dropped here, their replies unpublished. After
-        Redis lost its state (restarted empty), ownership of the rest is re-asserted and their checkpoints
-        are written again with the next publish."""
-        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s and not self.broker.lost_state:
-            return set()
+        Redis lost its state (restarted empty), ownership of the rest is re-asserted, their checkpoints are
+        written again with the next publish, and the replies it may have lost unread go out again (the
+        gateways drop what they had, by index). Returns (dropped ids, replies to send again)."""
+        lost_state = self.broker.lost_state
+        if time.monotonic() - self._beat_ok_at <= self.config.heartbeat_ttl_s and not lost_state:
+            return set(), []
         handles = {h.request_id: h for h, _ in self._outbox + events}
         handles |= {rid: run.handle for rid, run in self._owned.items()}
         try:
             lost = {h.request_id for h in await self.broker.taken_over(list(handles.values()))}
         except BrokerUnavailable:
-            return set()
+            return set(), []
         for run in self._owned.values():
             run.checkpointed = -1
         self._checkpoint_at = 0.0  # with the next publish, not an interval later: until then a resume has a hole
         if lost:
             log.warning("%d requests were resumed by other engines while this one stalled: dropping them", len(lost))
             self._end([rid for rid in lost if rid in self._owned], EventKind.OUTPUT)
-        return lost
+        # A beat that lapsed (a hung step) expired its key: no restart, nothing lost, unless a publish failed.
+        return lost, self._resend(lost) if lost_state and self._outage_since is not None else []
+
+    def _resend(self, dropped: set[str]) -> Published:
+        """The replies sent in the last ``replay_window_s`` before the outage, as replays: no queue entry
+        is acked again (the handle's entry id is empty)."""
+        items = [(RequestHandle(h.request_id, h.gateway_id, b""), row)
+                 for _, sent in self._sent_log for h, row in sent if h.request_id not in dropped]
+        self._sent_log.clear()
+        self._outage_since = None
+        if items:
+            log.warning("Redis lost its state: sending the last %d replies again", len(items))
+        return items
 
     async def _publish_later(self, events: Published, dropped: set[str] = frozenset(), for_lane: bool = False) -> None:
         """Publishes while the next step runs (``for_lane``: the next step's lane exchange carries the
@@ -297,9 +315,21 @@ class Worker:
         return self._outbox, runs, [run.progress(now_ms) for run in runs]
 
     def _sent(self, count: int, runs: list[_Run]) -> None:
-        self._outbox, self._outbox_failing_since = self._outbox[count:], None
+        sent, self._outbox, self._outbox_failing_since = self._outbox[:count], self._outbox[count:], None
         for run in runs:
             run.checkpointed = run.next_index
+        self._log_sent(sent)
+
+    def _log_sent(self, sent: Published) -> None:
+        """Keeps the last ``replay_window_s`` of sent replies: Redis without persistence may ack them and
+        die before a gateway reads them. Counted back from the first failed publish while an outage lasts,
+        so the publishes into a restarted Redis (before a beat finds it empty) do not push them out."""
+        now = time.monotonic()
+        if sent:
+            self._sent_log.append((now, sent))
+        horizon = min(now, self._outage_since or now) - self.config.replay_window_s
+        while self._sent_log and self._sent_log[0][0] < horizon:
+            self._sent_log.popleft()
 
     def _checkpoint_due(self) -> list[_Run]:
         """The requests whose delivered count moved since their last checkpoint, every checkpoint interval.
@@ -312,6 +342,7 @@ class Worker:
 
     def _keep_outbox(self, exc: BrokerUnavailable) -> None:
         now = time.monotonic()
+        self._outage_since = self._outage_since or now
         self._outbox_failing_since = self._outbox_failing_since or now
         if now - self._outbox_failing_since < self.config.reply_ttl_s:
             log.warning("publishing %d replies failed, retrying: %s", len(self._outbox), exc)
@@ -489,10 +520,16 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _send_beat(self) -> None:
+        previous_ok, was_lost = self._beat_ok_at, self.broker.lost_state
         try:
             await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
                                                   self.engine.max_model_len, self._stats))
             self._beat_ok_at = time.monotonic()
+            if not self.broker.lost_state:
+                self._outage_since = None  # Redis kept its state: nothing sent before the outage was lost
+            elif not was_lost and self._beat_ok_at - previous_ok <= self.config.heartbeat_ttl_s:
+                # This beat found the key gone before its TTL: Redis restarted empty, perhaps with replies unread.
+                self._outage_since = self._outage_since or previous_ok
         except BrokerUnavailable as exc:
             log.warning("heartbeat failed: %s", exc)
         except Exception:  # the beat task must outlive any bug: without it, others take this engine for dead

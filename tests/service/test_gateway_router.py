@@ -18,7 +18,7 @@ from service.supervise import supervised
 from tests.service.conftest import MODEL_NAME, engine_stats, gateway_client, until
 from tests.service.fake_v5_worker import FakeV5Worker, MemoryTransport
 
-CONFIG = GatewayConfig(engine_poll_s=0.02, resume_deadline_s=0.2, accept_deadline_s=0.3)
+CONFIG = GatewayConfig(engine_poll_s=0.02, resume_deadline_s=0.2, accept_deadline_s=0.3, gap_wait_s=0.2)
 
 
 def beat(engine_id: str, incarnation: str = "1") -> bytes:
@@ -58,15 +58,31 @@ async def submit(broker: MemoryGatewayBroker) -> asyncio.Queue[ReplyEvent]:
     return await broker.submit(RequestMsg("r1", [1], {}, broker.gateway_id, time.time(), MODEL_NAME))
 
 
-async def test_duplicates_are_dropped_and_a_gap_ends_the_request(broker) -> None:
+async def test_duplicates_are_dropped_and_a_gap_that_stays_ends_the_request(broker) -> None:
     queue = await submit(broker)
     send(broker, accepted("e"), output(0), output(0), output(1))
     send(broker, output(1), output(3))  # a retried publish, then index 2 is missing
     events = drain(queue)
-    assert [(e.kind, e.index) for e in events[:3]] == [(EventKind.ACCEPTED, CONTROL_INDEX), (EventKind.OUTPUT, 0),
-                                                       (EventKind.OUTPUT, 1)]
-    assert events[3].kind is EventKind.ERROR and "lost reply events 2..2" in events[3].error
+    assert [(e.kind, e.index) for e in events] == [(EventKind.ACCEPTED, CONTROL_INDEX), (EventKind.OUTPUT, 0),
+                                                   (EventKind.OUTPUT, 1)]
+    await asyncio.sleep(CONFIG.gap_wait_s / 2)
+    assert queue.empty() and broker.num_subscriptions == 1  # still waiting for index 2
+    error = await asyncio.wait_for(queue.get(), 2)
+    assert error.kind is EventKind.ERROR and "lost reply events 2..2" in error.error
     assert broker.num_subscriptions == 0
+
+
+async def test_events_past_a_gap_wait_for_it_and_follow_in_order(broker) -> None:
+    """An engine re-sending what a restarted Redis lost unread: the gap fills, nothing repeats."""
+    queue = await submit(broker)
+    send(broker, accepted("e"), output(0), output(3), output(2, token=66))
+    assert [e.index for e in drain(queue)] == [CONTROL_INDEX, 0]
+    send(broker, output(0), output(1), output(2), output(4, finished=True))  # the resend, then the next one
+    events = drain(queue)
+    assert [(e.index, e.choices[0].token_ids) for e in events] == [(1, [65]), (2, [66]), (3, [65]), (4, [65])]
+    assert events[-1].finished and broker.num_subscriptions == 0
+    await asyncio.sleep(CONFIG.gap_wait_s * 2)
+    assert queue.empty()  # no late error: the gap closed
 
 
 async def test_a_dead_owner_waits_for_a_resumer_then_fails_with_503(broker) -> None:
@@ -127,7 +143,7 @@ BODY = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 400, "stream": True}
 
 async def test_every_end_path_leaves_nothing_and_publishes_the_abort(tokenizer) -> None:
     bus = MemoryBus()
-    config = GatewayConfig(engine_poll_s=0.02, accept_deadline_s=0.3)
+    config = GatewayConfig(engine_poll_s=0.02, accept_deadline_s=0.3, gap_wait_s=0.1)
     async with gateway_client(config, tokenizer, bus) as client:
         worker = FakeV5Worker(MemoryTransport(bus), step_s=0.01)
         task = asyncio.create_task(worker.run())

@@ -86,11 +86,12 @@ async def settled(client: aioredis.Redis, keys: Keys) -> bool:
     return await client.xlen(stream) == 0 and (await client.xpending(stream, GROUP))["pending"] == 0
 
 
-async def test_a_duplicated_entry_runs_once(redis_config, client) -> None:
+@pytest.mark.parametrize("step_lane", [True, False])
+async def test_a_duplicated_entry_runs_once(redis_config, client, step_lane) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine()
     for _ in range(2):  # a gateway's XADD retried after its first try landed
         await submit(client, keys, "r1", max_tokens=4)
-    async with running(make_worker(redis_config, engine)):
+    async with running(make_worker(redis_config, engine, step_lane=step_lane)):
         events = await asyncio.wait_for(finished(client, keys, "r1"), 5)
         await until_async(lambda: settled(client, keys))
     assert engine.added == ["r1"]
@@ -146,13 +147,14 @@ class CuttableProxy:
         self._server.close()
 
 
-async def test_replies_survive_a_redis_outage_nothing_lost_or_duplicated(redis_config, client) -> None:
+@pytest.mark.parametrize("step_lane", [True, False])
+async def test_replies_survive_a_redis_outage_nothing_lost_or_duplicated(redis_config, client, step_lane) -> None:
     proxy = CuttableProxy(client.connection_pool.connection_kwargs["path"])
     proxied = RedisConfig(url=f"redis://127.0.0.1:{await proxy.start()}/0", prefix=redis_config.prefix, block_ms=50)
     keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
     await submit(client, keys, "r1", max_tokens=150)
     try:
-        async with running(make_worker(proxied, engine)):
+        async with running(make_worker(proxied, engine, step_lane=step_lane)):
             await until_async(lambda: replies(client, keys, "r1"), 5)  # a first batch landed
             await asyncio.sleep(0.2)
             proxy.sever()  # mid-stream, mid-pipeline
