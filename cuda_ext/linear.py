@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -56,16 +55,14 @@ class PackedLinear:
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False) -> PackedLinear | None:
     """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on
-    AVX512-BF16 CPUs without AMX), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads):
-    an fp32 layer also gets an ArgmaxScreen where the CPU has AVX512-BF16 (16 bits more per weight, and the
-    fp32 weight is kept row-major).
+    AVX512-BF16 CPUs), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads): an fp32
+    layer also gets an ArgmaxScreen where the CPU has AVX512-BF16 (16 bits more per weight, and the fp32
+    weight is kept row-major).
 
     The fp32 op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
-    decode batches, so it serves prefill too. bf16 stays on F.linear where the CPU has AMX: oneDNN's
-    AMX kernels ran Qwen2-0.5B's layers 3-7x faster than this op at 16 and 64 rows (tied at 4)."""
+    decode batches, so it serves prefill too. bf16 runs on AMX tiles from 4 rows where the CPU has them
+    (csrc/cpu/skinny_amx.h), on vdpbf16ps below that and elsewhere."""
     if weight.device.type != "cpu" or not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
-        return None
-    if weight.dtype == torch.bfloat16 and has_amx_bf16():
         return None
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     screen = None
@@ -73,16 +70,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
         weight = weight.contiguous()
         screen = ArgmaxScreen(weight, *torch.ops.pagedserve.pack_argmax_screen(weight, bias))
     return PackedLinear(torch.ops.pagedserve.pack_linear_weight(weight), bias, weight.shape[0], screen)
-
-
-@cache
-def has_amx_bf16() -> bool:
-    """Whether the CPU has AMX bf16 tiles (Linux: the kernel's CPU flags; elsewhere assumed not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
 
 
 def keep_unpacked(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False) -> None:

@@ -144,8 +144,8 @@ def test_packs_supported_dtypes_on_cpu_only(ext_ops):
     weight = torch.randn(8, 8)
     assert ext_ops.pack_linear(weight, None) is not None
     assert cuda_ext.pack_linear(weight.half(), None) is None
-    bf16_wanted = torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16) and not cuda_ext.linear.has_amx_bf16()
-    assert (cuda_ext.pack_linear(weight.bfloat16(), None) is not None) == bf16_wanted  # AMX: oneDNN's F.linear
+    bf16_wanted = torch.ops.pagedserve.skinny_linear_supports(torch.bfloat16)
+    assert (cuda_ext.pack_linear(weight.bfloat16(), None) is not None) == bf16_wanted
     assert cuda_ext.load_ops("torch").pack_linear(weight, None) is None
 
 
@@ -157,3 +157,18 @@ def test_rejects_mismatched_shapes(ext_ops):
         torch.ops.pagedserve.skinny_linear(torch.randn(3, 64), packed, torch.randn(99), 100)
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.pagedserve.skinny_linear(torch.randn(3, 64).double(), packed, None, 100)
+
+
+@pytest.mark.parametrize("rows", [3, 4, 16, 20, 32])
+@pytest.mark.parametrize("in_features", [64, 37, 896])
+def test_bf16_strided_rows_match_contiguous_ones(ext_ops, rows, in_features):
+    """Strided rows (AMX blocks read them in place when the row count is a multiple of 16, padded otherwise)
+    give what the same rows give contiguous, on either side of the AMX threshold."""
+    skip_without_bf16(torch.bfloat16)
+    x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, 300, rows, bias=True))
+    packed = torch.ops.pagedserve.pack_linear_weight(weight)
+    strided = torch.cat([x, x], dim=1)[:, in_features:]
+    y = torch.ops.pagedserve.skinny_linear(strided, packed, bias, 300)
+    assert torch.equal(y, torch.ops.pagedserve.skinny_linear(x.contiguous(), packed, bias, 300))
+    expected = x.float() @ weight.float().t() + bias.float()
+    assert relative_error(y.float(), expected) <= 2 ** -8

@@ -31,6 +31,7 @@
 
 #include "../ops.h"
 #include "parallel.h"
+#include "skinny_amx.h"
 #include "skinny_tile.h"
 
 namespace pagedserve {
@@ -108,25 +109,55 @@ class RowBest {
   Vec lanes_[kPanelVecs];  // a panel's column offsets, lane by lane
 };
 
-// With ``best``, each output row's columns also go into its running argmax (fp32 output only).
+// Where the AMX blocks beat the vdpbf16ps tiles (bf16, this many rows and more): below it, both stream the
+// weights at the machine's rate and the vdpbf16ps tiles skip the padding of x to 16 rows.
+inline constexpr int64_t kAmxMinRows = 2;
+
+template <typename S, typename T = typename S::T>
+void block_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+#ifdef PAGEDSERVE_SKINNY_AMX
+  if constexpr (std::is_same_v<S, Bf16Step>)
+    if (amx) return amx_block(x, ldx, rows, panel, k_len, out);
+#endif
+  tile_rows<S>(rows, x, ldx, panel, k_len, out);
+}
+
+// One panel's output rows; with ``best``, each row's columns also go into its running argmax (fp32 output
+// only). ``amx``: x has whole 16-row blocks (padded past m) and the thread's tiles are configured.
 template <typename S, typename O, typename T = typename S::T>
-void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, int64_t cols, at::Tensor& y,
-               RowBest* best) {
-  const int64_t m = x.size(0), k_len = x.size(1), ldx = x.stride(0), ldy = y.stride(0);
-  const T* xp = x.data_ptr<T>();
-  O* yp = y.data_ptr<O>() + p * kPanel;
-  float tmp[kRows * kPanel], bias_f[kPanel];
-  if (bias != nullptr) at::vec::convert(bias + p * kPanel, bias_f, cols);
-  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-    const int64_t rows = std::min(kRows, m - r0);
-    tile_rows<S>(rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
+void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const T* panel, const float* bias, int64_t p,
+               int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx) {
+  float tmp[std::max(kRows, int64_t{16}) * kPanel];
+  const int64_t block = amx ? 16 : kRows;
+  for (int64_t r0 = 0; r0 < m; r0 += block) {
+    const int64_t rows = std::min(block, m - r0);
+    block_tile<S>(amx, rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r) {
-      O* out = yp + (r0 + r) * ldy;
-      store_row<T>(tmp + r * kPanel, bias == nullptr ? nullptr : bias_f, cols, out);
+      O* out = yp + (r0 + r) * ldy + p * kPanel;
+      store_row<T>(tmp + r * kPanel, bias, cols, out);
       if constexpr (std::is_same_v<O, float>)
         if (best != nullptr) best->update(r0 + r, out, p * kPanel, cols);
     }
   }
+}
+
+// x as the AMX blocks read it: whole 16-row blocks. Returns (rows, row stride, whether AMX applies); x is
+// copied into ``padded`` (zero rows past its own) only when m is not a multiple of 16, by hand: a torch op
+// here would wake OpenMP's threads, which then spin against this op's own (parallel.h).
+template <typename S, typename T = typename S::T>
+std::tuple<const T*, int64_t, bool> amx_rows(const at::Tensor& x, std::vector<T>& padded) {
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
+#ifdef PAGEDSERVE_SKINNY_AMX
+  if constexpr (std::is_same_v<S, Bf16Step>) {
+    if (m >= kAmxMinRows && amx_usable()) {
+      if (m % kAmxRows == 0) return {x.data_ptr<T>(), ldx, true};
+      padded.assign((m + kAmxRows - m % kAmxRows) * k, T(0.f));
+      for (int64_t r = 0; r < m; ++r) std::memcpy(padded.data() + r * k, x.data_ptr<T>() + r * ldx, k * sizeof(T));
+      return {padded.data(), k, true};
+    }
+  }
+#endif
+  return {x.data_ptr<T>(), ldx, false};
 }
 
 // With ``chunks`` (one entry per panel), the thread that computes panels [begin, end) leaves its rows'
@@ -134,17 +165,29 @@ void run_panel(const at::Tensor& x, const T* panel, const T* bias, int64_t p, in
 template <typename S, typename O = typename S::T, typename T = typename S::T>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
          std::vector<RowBest::Result>* chunks = nullptr) {
-  const int64_t out_features = y.size(1), panels = packed.size(0),
+  const int64_t m = x.size(0), out_features = y.size(1), panels = packed.size(0),
                 panel_numel = packed.size(1) * packed.size(2);  // not packed[0].numel(): a tensor per call
-  const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f.resize(panels * kPanel);
+    at::vec::convert(bias->data_ptr<T>(), bias_f.data(), out_features);
+  }
+  std::vector<T> padded;
+  const auto [xp, ldx, amx] = amx_rows<S>(x, padded);
   const T* pk = packed.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(x.size(0) * panel_numel, 1));
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     std::optional<RowBest> best;
-    if (chunks != nullptr) best.emplace(x.size(0));
+    if (chunks != nullptr) best.emplace(m);
+#ifdef PAGEDSERVE_SKINNY_AMX
+    std::optional<AmxTiles> tiles;
+    if (amx) tiles.emplace();
+#endif
     for (int64_t p = begin; p < end; ++p)
-      run_panel<S, O>(x, pk + p * panel_numel, b, p, std::min(kPanel, out_features - p * kPanel), y,
-                      best ? &*best : nullptr);
+      run_panel<S, O>(xp, m, ldx, x.size(1), pk + p * panel_numel,
+                      bias_f.empty() ? nullptr : bias_f.data() + p * kPanel,
+                      p, std::min(kPanel, out_features - p * kPanel), y.data_ptr<O>(), y.stride(0),
+                      best ? &*best : nullptr, amx);
     if (best) (*chunks)[begin] = best->result();
   });
 }
