@@ -60,7 +60,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
     weight is kept row-major).
 
     The fp32 op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
-    decode batches, so it serves prefill too. bf16 runs on AMX tiles from 4 rows where the CPU has them
+    decode batches, so it serves prefill too. bf16 runs on AMX tiles from 2 rows where the CPU has them
     (csrc/cpu/skinny_amx.h), on vdpbf16ps below that and elsewhere."""
     if weight.device.type != "cpu" or not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
         return None
