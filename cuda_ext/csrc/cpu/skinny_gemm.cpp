@@ -173,7 +173,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
     at::vec::convert(bias->data_ptr<T>(), bias_f.data(), out_features);
   }
   std::vector<T> padded;
-  const auto [xp, ldx, amx] = amx_rows<S>(x, padded);
+  const T* xp;
+  int64_t ldx;
+  bool amx;
+  std::tie(xp, ldx, amx) = amx_rows<S>(x, padded);  // not structured bindings: C++17 lambdas cannot capture them
   const T* pk = packed.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
