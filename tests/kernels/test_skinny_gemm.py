@@ -128,7 +128,7 @@ def skip_without_bf16(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 18, 64, 130])
-@pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17)])
+@pytest.mark.parametrize("in_features, out_features", [(256, 512), (37, 100), (896, 4864), (1, 17), (129, 200)])
 def test_bf16_matches_fp32_math(ext_ops, rows, in_features, out_features):
     skip_without_bf16(torch.bfloat16)
     x, weight, bias = (t.bfloat16() for t in random_layer(rows, in_features, out_features, rows, bias=True))

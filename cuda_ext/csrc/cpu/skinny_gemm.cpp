@@ -113,13 +113,34 @@ class RowBest {
 // Xeon: even at 1 row, ahead from 2): at 1 row the vdpbf16ps tiles keep up with the weight stream.
 inline constexpr int64_t kAmxMinRows = 2;
 
+// Rows past one register tile share the panel chunk by chunk: the row blocks take turns on a chunk (the
+// first reads it from memory, the others from L1) while each fetches its share of the next chunk by hand,
+// so the weights stream on while every block computes. Whole-panel passes, one block after another, left
+// memory idle in all but the first: Qwen2-0.5B's GEMM at 8-16 rows took 15% longer (Zen 5).
+inline constexpr int64_t kChunkBytes = 8 << 10;
+inline constexpr int64_t kGroupRows = 8 * kRows;  // rows sharing the chunks (their sums fill run_panel's scratch)
+
+// out[0:rows, 0:kPanel] = x[0:rows, 0:k_len] @ panel through the register tiles, rows <= kGroupRows.
 template <typename S, typename T = typename S::T>
-void block_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+void tile_group(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+  constexpr int64_t chunk = kChunkBytes / kDepthBytes<S> * S::kDepth, lines = kDepthBytes<S> / 64;
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {
+    // Past a panel's end the thread's next panel follows in memory; a prefetch past the weights is harmless.
+    Prefetch ahead{reinterpret_cast<const char*>(panel + k0 * kPanel) + kChunkBytes, (lines + blocks - 1) / blocks};
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+      tile_rows<S>(std::min(kRows, rows - r0), x + r0 * ldx + k0, ldx, panel + k0 * kPanel,
+                   std::min(chunk, k_len - k0), out + r0 * kPanel, k0 > 0, ahead);
+  }
+}
+
+template <typename S, typename T = typename S::T>
+void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
 #ifdef PAGEDSERVE_SKINNY_AMX
   if constexpr (std::is_same_v<S, Bf16Step>)
     if (amx) return amx_block(x, ldx, rows, panel, k_len, out);
 #endif
-  tile_rows<S>(rows, x, ldx, panel, k_len, out);
+  tile_group<S>(rows, x, ldx, panel, k_len, out);
 }
 
 // One panel's output rows; with ``best``, each row's columns also go into its running argmax (fp32 output
@@ -127,16 +148,16 @@ void block_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel,
 template <typename S, typename O, typename T = typename S::T>
 void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const T* panel, const float* bias, int64_t p,
                int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx) {
-  float tmp[std::max(kRows, int64_t{16}) * kPanel];
-  const int64_t block = amx ? 16 : kRows;
-  for (int64_t r0 = 0; r0 < m; r0 += block) {
-    const int64_t rows = std::min(block, m - r0);
-    block_tile<S>(amx, rows, xp + r0 * ldx, ldx, panel, k_len, tmp);
+  float tmp[std::max(kGroupRows, int64_t{16}) * kPanel];
+  const int64_t group = amx ? 16 : kGroupRows;
+  for (int64_t g0 = 0; g0 < m; g0 += group) {
+    const int64_t rows = std::min(group, m - g0);
+    group_tile<S>(amx, rows, xp + g0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r) {
-      O* out = yp + (r0 + r) * ldy + p * kPanel;
+      O* out = yp + (g0 + r) * ldy + p * kPanel;
       store_row<T>(tmp + r * kPanel, bias, cols, out);
       if constexpr (std::is_same_v<O, float>)
-        if (best != nullptr) best->update(r0 + r, out, p * kPanel, cols);
+        if (best != nullptr) best->update(g0 + r, out, p * kPanel, cols);
     }
   }
 }

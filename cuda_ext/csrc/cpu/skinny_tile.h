@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <xmmintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -33,6 +34,7 @@ struct F32Step {
   using Operand = Vec;
   static constexpr int64_t kDepth = 1;  // k values per step
   static Acc zero() { return Vec(0.f); }
+  static Acc load(const float* src) { return Vec::loadu(src); }
   static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
   static Operand broadcast(const T* row, int64_t k) { return Vec(row[k]); }
   static Operand broadcast_last(const T* row, int64_t k) { return broadcast(row, k); }
@@ -47,6 +49,7 @@ struct Bf16Step {
   using Operand = __m512bh;
   static constexpr int64_t kDepth = 2;
   static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc load(const float* src) { return _mm512_loadu_ps(src); }
   static Operand weights(const T* panel, int64_t k, int64_t v) {
     return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
   }
@@ -63,10 +66,21 @@ struct Bf16Step {
 };
 #endif
 
+// Bytes of a panel per k step.
+template <typename S>
+inline constexpr int64_t kDepthBytes = S::kDepth * kPanel * int64_t{sizeof(typename S::T)};
+
+// Weights fetched by hand ahead of their use: ``lines`` cache lines per k step, from ``next`` on.
+struct Prefetch {
+  const char* next = nullptr;
+  int64_t lines = 0;
+};
+
 // acc[r] += x[r, k:k + kDepth] * panel[k:k + kDepth, 0:kPanel] for R rows (kLast: the last k of an odd K).
 template <typename S, int64_t R, bool kLast = false>
 inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x, int64_t ldx,
-                   const typename S::T* panel, int64_t k) {
+                   const typename S::T* panel, int64_t k, Prefetch& ahead) {
+  for (int64_t i = 0; i < ahead.lines; ++i, ahead.next += 64) _mm_prefetch(ahead.next, _MM_HINT_T0);
   typename S::Operand w[kPanelVecs];
 #pragma GCC unroll 4
   for (int64_t v = 0; v < kPanelVecs; ++v) w[v] = S::weights(panel, k, v);
@@ -78,31 +92,40 @@ inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x
   }
 }
 
-// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]).
+// out[r, 0:kPanel] (+)= sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]; ``accumulate``: add
+// to what out holds). ``ahead``: see k_step.
 template <typename S, int64_t R>
-void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out) {
+void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out,
+          bool accumulate, Prefetch& ahead) {
   typename S::Acc acc[R][kPanelVecs];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = S::zero();
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[r][v] = accumulate ? S::load(out + r * kPanel + v * kW) : S::zero();
   const int64_t k_whole = k_len - k_len % S::kDepth;
-  for (int64_t k = 0; k < k_whole; k += S::kDepth) k_step<S, R>(acc, x, ldx, panel, k);
-  if (k_whole < k_len) k_step<S, R, true>(acc, x, ldx, panel, k_whole);
+  for (int64_t k = 0; k < k_whole; k += S::kDepth) k_step<S, R>(acc, x, ldx, panel, k, ahead);
+  if (k_whole < k_len) k_step<S, R, true>(acc, x, ldx, panel, k_whole, ahead);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < kPanelVecs; ++v) S::store(out + r * kPanel + v * kW, acc[r][v]);
 }
 
 template <typename S>
 void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
-               float* out) {
+               float* out, bool accumulate = false) {
+  Prefetch none;
+  tile_rows<S>(rows, x, ldx, panel, k_len, out, accumulate, none);
+}
+
+template <typename S>
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+               float* out, bool accumulate, Prefetch& ahead) {
   switch (rows) {
-    case 1: return tile<S, 1>(x, ldx, panel, k_len, out);
-    case 2: return tile<S, 2>(x, ldx, panel, k_len, out);
-    case 3: return tile<S, 3>(x, ldx, panel, k_len, out);
-    case 4: return tile<S, 4>(x, ldx, panel, k_len, out);
-    case 5: return tile<S, 5>(x, ldx, panel, k_len, out);
-    default: return tile<S, kRows>(x, ldx, panel, k_len, out);
+    case 1: return tile<S, 1>(x, ldx, panel, k_len, out, accumulate, ahead);
+    case 2: return tile<S, 2>(x, ldx, panel, k_len, out, accumulate, ahead);
+    case 3: return tile<S, 3>(x, ldx, panel, k_len, out, accumulate, ahead);
+    case 4: return tile<S, 4>(x, ldx, panel, k_len, out, accumulate, ahead);
+    case 5: return tile<S, 5>(x, ldx, panel, k_len, out, accumulate, ahead);
+    default: return tile<S, kRows>(x, ldx, panel, k_len, out, accumulate, ahead);
   }
 }
 
