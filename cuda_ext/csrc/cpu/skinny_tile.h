@@ -93,7 +93,7 @@ inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x
 }
 
 // out[r, 0:kPanel] (+)= sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]; ``accumulate``: add
-// to what out holds). ``ahead``: see k_step.
+// to what out holds). ``ahead``: see Prefetch.
 template <typename S, int64_t R>
 void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out,
           bool accumulate, Prefetch& ahead) {
@@ -111,9 +111,9 @@ void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64
 
 template <typename S>
 void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
-               float* out, bool accumulate = false) {
+               float* out) {
   Prefetch none;
-  tile_rows<S>(rows, x, ldx, panel, k_len, out, accumulate, none);
+  tile_rows<S>(rows, x, ldx, panel, k_len, out, false, none);
 }
 
 template <typename S>
