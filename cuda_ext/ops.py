@@ -24,7 +24,8 @@ class KernelOps:
     fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax (signatures in
     cuda_ext.reference), and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
-    F.linear."""
+    F.linear;
+    llama_decoder_layer: a whole Llama-family layer on packed weights in one call (CPU), or None."""
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., None]
@@ -35,6 +36,7 @@ class KernelOps:
     silu_and_mul: Callable[..., torch.Tensor]
     row_argmax: Callable[[torch.Tensor], torch.Tensor]
     pack_linear: Callable[..., PackedLinear | None]
+    llama_decoder_layer: Callable[..., torch.Tensor] | None
 
 
 def load_ops(backend: str = "ext") -> KernelOps:
@@ -58,6 +60,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         silu_and_mul=module.silu_and_mul,
         row_argmax=module.row_argmax,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
+        llama_decoder_layer=module.llama_decoder_layer if backend == "ext" else None,
     )
 
 

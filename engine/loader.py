@@ -46,10 +46,10 @@ _FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, SiluAndMul)
 
 
 def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
-    """Hands ``ops`` to the fused-op layers and packs every linear layer for ``ops``' GEMM. Part of
-    the load, so the KV pool is sized after the packed copies exist; the unpacked weight of a
-    packed layer is then released (left on the meta device, shape intact), unless another module
-    shares it (tied embeddings)."""
+    """Hands ``ops`` to the fused-op layers, packs every linear layer for ``ops``' GEMM, then lets each decoder
+    layer that can run as one compiled call ``fuse``. Part of the load, so the KV pool is sized after the
+    packed copies exist; the unpacked weight of a packed layer is then released (left on the meta device,
+    shape intact), unless another module shares it (tied embeddings)."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for layer in model.modules():
         if isinstance(layer, _FUSED_OP_LAYERS):
@@ -58,6 +58,9 @@ def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
             layer.pack(ops)
             if layer.packed is not None and uses[id(layer.weight)] == 1:
                 layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)
+    for layer in model.modules():
+        if hasattr(layer, "fuse"):
+            layer.fuse(ops)
 
 
 def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[str]:

@@ -1,13 +1,16 @@
 """Where one engine step's time goes, on a steady decode with the real engine.
 
     python -m loadtest.profile_step --device cpu --num-seqs 64 [--model llama-19m] [--steps 200] [--threads 2]
+                                    [--split-layers]
 
 Writes bench_offline's random-weight checkpoint of ``--model``, starts ``--num-seqs`` greedy requests
 (``--prompt-len`` tokens each, long enough outputs that none finishes), steps past their prefill, then
 times ``--steps`` decode steps. Per step, in ms:
 
-* gemm: every linear layer, the LM head included (the skinny GEMM on CPU; the LM head's fused argmax too)
-* attention: the paged attention layers (K/V write + attention)
+* layers: the decoder layers that run as one compiled call (CPU: their GEMMs, attention and fused ops together;
+  ``--split-layers`` runs the per-op Python forward instead, to see those parts apart)
+* gemm: every other linear layer, the LM head included (the skinny GEMM on CPU; the LM head's fused argmax too)
+* attention: the other paged attention layers (K/V write + attention)
 * model other: the rest of the forward (embedding, fused norms, rotary, SiLU-and-mul, the layers' Python)
 * sampler, scheduler (``schedule`` + ``update_from_output``), prepare (the runner's input tensors)
 * other: the rest of ``LLMEngine.step`` (outputs, the runner's logits row pick, ...)
@@ -38,7 +41,7 @@ from engine.layers.vocab_parallel import ParallelLMHead
 from engine.llm_engine import LLMEngine
 
 # What the wrappers measure (nested: gemm and attention are inside model, model inside step).
-_TIMED = ("step", "scheduler", "prepare", "model", "gemm", "attention", "sampler")
+_TIMED = ("step", "scheduler", "prepare", "model", "layers", "gemm", "attention", "sampler")
 
 
 @dataclass(slots=True)
@@ -66,12 +69,12 @@ class StepTimers:
         setattr(owner, name, timed)
 
     def breakdown(self, cpu: bool = False) -> dict[str, float]:
-        """ms per step (wall, or process CPU time with ``cpu``): gemm, attention, model_other, sampler,
+        """ms per step (wall, or process CPU time with ``cpu``): layers, gemm, attention, model_other, sampler,
         scheduler, prepare, other, step, python_overhead."""
         ms = {k: 1e3 * v / max(1, self.steps) for k, v in (self.cpu_seconds if cpu else self.seconds).items()}
         outside = ms["scheduler"] + ms["prepare"] + ms["model"] + ms["sampler"]
-        return {"gemm": ms["gemm"], "attention": ms["attention"],
-                "model_other": ms["model"] - ms["gemm"] - ms["attention"], "sampler": ms["sampler"],
+        return {"layers": ms["layers"], "gemm": ms["gemm"], "attention": ms["attention"],
+                "model_other": ms["model"] - ms["layers"] - ms["gemm"] - ms["attention"], "sampler": ms["sampler"],
                 "scheduler": ms["scheduler"], "prepare": ms["prepare"], "other": ms["step"] - outside,
                 "step": ms["step"], "python_overhead": ms["step"] - ms["model"]}
 
@@ -96,6 +99,8 @@ def instrument(engine: LLMEngine) -> StepTimers:
     timers.wrap(model, "forward", "model")
     timers.wrap(model, "compute_logits", "model")
     for module in model.modules():
+        if getattr(module, "fused", None) is not None:
+            timers.wrap(module, "fused", "layers")
         if isinstance(module, ParallelLMHead):  # its GEMM (with the fused argmax) runs through with_argmax
             timers.wrap(module, "with_argmax", "gemm")
         elif isinstance(module, Linear):
@@ -103,6 +108,13 @@ def instrument(engine: LLMEngine) -> StepTimers:
         elif isinstance(module, PagedAttention):
             timers.wrap(module, "forward", "attention")
     return timers
+
+
+def unfuse(engine: LLMEngine) -> None:
+    """Every decoder layer back on its per-op Python forward (rank 0's; tensor parallelism never fuses)."""
+    for module in engine.runner.model.modules():
+        if getattr(module, "fused", None) is not None:
+            module.fused = None
 
 
 def steady_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, steps: int, vocab: int) -> StepTimers:
@@ -132,6 +144,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
+    parser.add_argument("--split-layers", action="store_true",
+                        help="run the decoder layers' per-op Python forward, not their compiled call")
     parser.add_argument("--json", help="write the breakdown here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -139,6 +153,8 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(model=path, device=args.device, num_threads=args.threads,
                                         attention_backend=args.backend, max_num_seqs=args.num_seqs,
                                         enable_prefix_caching=False, show_progress=False))
+        if args.split_layers:
+            unfuse(engine)
         timers = steady_decode(engine, args.num_seqs, args.prompt_len, args.steps,
                                MODELS[args.model]["config"]["vocab_size"])
     wall, cpu = timers.breakdown(), timers.breakdown(cpu=True)

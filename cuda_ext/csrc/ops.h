@@ -1,5 +1,6 @@
 // Per-device implementations of the pagedserve ops (schemas in registration.cpp).
 #pragma once
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
@@ -29,5 +30,12 @@ at::Tensor fused_add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& x, con
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 at::Tensor row_argmax_cpu(const at::Tensor& x);
+at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& hidden,
+                                   at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                                   at::IntArrayRef sizes, const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                   int64_t max_query_len, int64_t max_seq_len, double eps, double scale);
 
 }  // namespace pagedserve

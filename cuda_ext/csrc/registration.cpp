@@ -1,6 +1,6 @@
 // Op schemas of the `pagedserve` namespace and their CPU kernels. The CUDA
 // kernels register under the same names in csrc/cuda/*.cu when built (the
-// skinny GEMM ops are CPU-only).
+// skinny GEMM ops and the decoder layer built on them are CPU-only).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -16,6 +16,10 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("llama_decoder_layer(Tensor(a!) residual, Tensor? hidden, Tensor[] weights, Tensor?[] biases, int[] sizes, "
+        "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
+        "float eps, float scale) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
@@ -35,6 +39,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rotary_embedding", &pagedserve::rotary_embedding_cpu);
   m.impl("silu_and_mul", &pagedserve::silu_and_mul_cpu);
   m.impl("row_argmax", &pagedserve::row_argmax_cpu);
+  m.impl("llama_decoder_layer", &pagedserve::llama_decoder_layer_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
   m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -56,3 +57,14 @@ class RotaryEmbedding(nn.Module):
         """Rotates x [T, H, D] (e.g. the q|k view of a fused projection) in place by token t's position,
         Hugging Face's ``x * cos + rotate_half(x) * sin`` with its rounding."""
         self.ops.rotary_embedding(x, positions, self.cos, self.sin)
+
+
+@dataclass(slots=True, frozen=True)
+class RopeStep:
+    """One step's rotary for every layer: ``rope(x)`` rotates x [T, H, D] in place at the step's positions."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> None:
+        self.rotary(self.positions, x)

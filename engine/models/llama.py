@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from cuda_ext import KernelOps
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RopeStep, RotaryEmbedding
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
-
-Rope = Callable[[torch.Tensor], None]  # rotates [T, H, D] in place at this step's positions, for every layer
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
@@ -35,7 +33,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeStep, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Heads stay views of the fused projection; rotary runs once over q and k together.
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -59,7 +57,32 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+@dataclass(slots=True, frozen=True)
+class FusedLayer:
+    """A decoder layer as one ``llama_decoder_layer`` call on its packed weights: the ops of
+    ``LlamaDecoderLayer.forward`` in the same order (bit-identical), without the Python between them."""
+
+    op: Callable[..., torch.Tensor]
+    weights: list[torch.Tensor]  # input norm, packed qkv, packed o, post-attention norm, packed gate_up, down
+    biases: list[torch.Tensor | None]  # qkv, o, gate_up, down
+    sizes: list[int]  # heads, KV heads, head size, then each linear's output features
+    attn: PagedAttention  # the model runner binds its KV cache views after the load
+    eps: float
+
+    def __call__(self, rope: RopeStep, h: torch.Tensor, residual: torch.Tensor | None,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: its input is the residual stream, normalised without an add
+            residual, h = h, None
+        a = self.attn
+        out = self.op(residual, h, self.weights, self.biases, self.sizes, rope.positions, rope.rotary.cos,
+                      rope.rotary.sin, a.k_cache, a.v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                      meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale)
+        return out, residual
+
+
 class LlamaDecoderLayer(nn.Module):
+    fused: FusedLayer | None = None
+
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
@@ -68,10 +91,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: RopeStep, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added): each norm adds the
         pending output into the residual in place, fused with the normalisation."""
+        if self.fused is not None:
+            return self.fused(rope, h, residual, meta)
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -79,6 +104,24 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, h, meta)
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def fuse(self, ops: KernelOps) -> None:
+        """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
+        packed (CPU), on one rank (a row-parallel layer needs its all-reduce) and without q/k norms."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if ops.llama_decoder_layer is None or attn.q_norm is not None or attn.o_proj.tp.size > 1 \
+                or any(linear.packed is None for linear in linears):
+            return
+        qkv, o, gate_up, down = (linear.packed for linear in linears)
+        self.fused = FusedLayer(
+            ops.llama_decoder_layer,
+            [self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight, gate_up.packed,
+             down.packed],
+            [qkv.bias, o.bias, gate_up.bias, down.bias],
+            [attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
+             gate_up.out_features, down.out_features],
+            attn.attn, self.input_layernorm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -92,7 +135,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        rope = partial(self.rotary, positions)
+        rope = RopeStep(self.rotary, positions)
         for layer in self.layers:
             h, residual = layer(rope, h, residual, meta)
         return self.norm(h, residual)

@@ -45,7 +45,22 @@ def test_step_breakdown_accounts_for_every_step(llama_checkpoint):
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]  # instrumenting changes no result
     ms = timers.breakdown()
     assert timers.steps == 5  # one prefill step (with its first token), then 4 decode steps
-    parts = ("gemm", "attention", "model_other", "sampler", "scheduler", "prepare", "other")
-    assert all(ms[p] >= 0 for p in parts) and ms["gemm"] > 0 and ms["attention"] > 0
+    parts = ("layers", "gemm", "attention", "model_other", "sampler", "scheduler", "prepare", "other")
+    # The decoder layers run as one compiled call each; the LM head's GEMM is timed apart.
+    assert all(ms[p] >= 0 for p in parts) and ms["layers"] > 0 and ms["gemm"] > 0 and ms["attention"] == 0
     assert sum(ms[p] for p in parts) == pytest.approx(ms["step"])
-    assert ms["python_overhead"] == pytest.approx(ms["step"] - ms["gemm"] - ms["attention"] - ms["model_other"])
+    model = ms["layers"] + ms["gemm"] + ms["attention"] + ms["model_other"]
+    assert ms["python_overhead"] == pytest.approx(ms["step"] - model)
+
+
+def test_step_breakdown_splits_unfused_layers(llama_checkpoint):
+    """With the layers on their per-op forward (``--split-layers``), GEMM and attention are timed apart."""
+    from engine import LLM, SamplingParams
+    from loadtest.profile_step import instrument, unfuse
+
+    llm = LLM(llama_checkpoint.path, skip_tokenizer_init=True, show_progress=False)
+    unfuse(llm.engine)
+    timers = instrument(llm.engine)
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=3))
+    ms = timers.breakdown()
+    assert ms["layers"] == 0 and ms["gemm"] > 0 and ms["attention"] > 0

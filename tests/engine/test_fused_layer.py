@@ -1,0 +1,86 @@
+"""The compiled decoder layer (``llama_decoder_layer``, CPU) against the model's own Python forward: the same
+hidden states and KV cache, bit for bit, over a varlen prefill and a decode step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_ext
+from engine.layers.attention import AttentionMetadata
+from engine.loader import load_model
+from engine.models.config import read_model_config
+
+from .conftest import build_checkpoint
+
+BLOCK = 16
+
+
+def _meta(positions: list[list[int]], tables: list[list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Each sequence's positions this step (contiguous, ending at its context length) and block table."""
+    flat = [p for seq in positions for p in seq]
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for seq, table in zip(positions, tables) for p in seq]
+    starts = [0]
+    for seq in positions:
+        starts.append(starts[-1] + len(seq))
+    seq_lens = [seq[-1] + 1 for seq in positions]
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                             max(len(seq) for seq in positions), max(seq_lens))
+    return torch.tensor(flat), meta
+
+
+def _run(model, kv: torch.Tensor, fused: list, steps, vocab: int) -> list[torch.Tensor]:
+    """The model's hidden states for each step, with the given per-layer ``fused`` and KV pool ``kv``."""
+    ops = cuda_ext.load_ops("ext")
+    for i, (layer, f) in enumerate(zip(model.model.layers, fused)):
+        layer.fused = f
+        layer.self_attn.attn.bind(ops, kv[:, i, 0], kv[:, i, 1])
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    with torch.inference_mode():
+        for positions, meta in steps:
+            ids = torch.randint(vocab, (positions.numel(),), generator=gen)
+            outs.append(model(ids, positions, meta))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype):
+    cuda_ext.load_ops("ext")
+    if not torch.ops.pagedserve.skinny_linear_supports(dtype):
+        pytest.skip(f"{dtype} layers stay on F.linear here (no AVX512-BF16)")
+    config = read_model_config(build_checkpoint(arch, tmp_path).path)
+    model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False)
+    fused = [layer.fused for layer in model.model.layers]
+    assert all(f is not None for f in fused)
+    tables = [[0, 3], [1, 2]]
+    steps = [_meta([list(range(5)), list(range(20))], tables),  # prefill of two lengths (the first layer's input
+             _meta([[5], [20]], tables),                       # norm without an add, then decode steps
+             _meta([[6], [21]], tables)]
+    attn = model.model.layers[0].self_attn.attn
+    shape = (4, config.num_layers, 2, attn.num_kv_heads, BLOCK, config.head_dim)
+    kv_fused, kv_python = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    want = _run(model, kv_python, [None] * len(fused), steps, config.vocab_size)
+    got = _run(model, kv_fused, fused, steps, config.vocab_size)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g, w)
+    assert torch.equal(kv_fused, kv_python)
+
+
+def test_layers_the_op_does_not_cover_keep_the_python_forward(tmp_path):
+    """q/k norms (Qwen3) and the reference backend keep the per-op forward."""
+    config = read_model_config(build_checkpoint("qwen3", tmp_path / "qwen3").path)
+    model = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("ext"), False)
+    assert all(layer.fused is None for layer in model.model.layers)
+    config = read_model_config(build_checkpoint("llama", tmp_path / "llama").path)
+    model = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("torch"), False)
+    assert all(layer.fused is None for layer in model.model.layers)
+
+
+def test_fused_layer_rejects_a_wrong_weight_list():
+    cuda_ext.load_ops("ext")
+    x = torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="takes 6 weights"):
+        torch.ops.pagedserve.llama_decoder_layer(x, None, [x], [None] * 4, [1] * 7, torch.zeros(1, dtype=torch.long),
+                                                 x, x, x, x, torch.zeros(1, dtype=torch.long), x, x, x, 1, 1, 1e-6, 1.0)
