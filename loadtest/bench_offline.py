@@ -1,4 +1,5 @@
-"""Offline throughput: pagedserve vs transformers static batching vs transformers continuous batching.
+"""Offline throughput: pagedserve vs transformers static batching vs transformers continuous batching (vs
+llama.cpp with ``--llama-cpp``).
 
     python -m loadtest.bench_offline --json results.json [--num-requests 64] [--models llama-19m,qwen2-0.5b]
 
@@ -22,7 +23,9 @@ Every peer gets its best configuration: static batching tries ``--batch-sizes``,
 no automatic attention switch; see ``hf_continuous_config``) at each of ``--hf-threads`` torch threads (its
 oneDNN GEMMs run in an OpenMP team, which can do worse with 2 threads than 1 when the cores are shared); the
 best is kept, and each result stores its configuration (``config``: the settings, and every setting tried with
-its throughput) and a one-line ``detail``.
+its throughput) and a one-line ``detail``. ``--llama-cpp`` adds llama.cpp (``loadtest/llama_cpp_peer.py``: the
+checkpoint written as GGUF, the requests decoded in one context whose unified KV cache holds them all, with
+pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on.
 
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
@@ -239,6 +242,29 @@ def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
                                       for (t, p), (w, _) in runs.items()}))
 
 
+def measure_llama_cpp(peer, requests: list[Request], args) -> Measured:
+    """llama.cpp's best of ``--llama-cpp-threads`` x flash attention off / on, each after a warm-up batch."""
+    from loadtest.llama_cpp_peer import LlamaCppSettings
+
+    tokens, prompts, lens = sum(r.output_len for r in requests), [r.prompt for r in requests], [r.output_len for r in requests]
+    runs = {}
+    for threads in args.llama_cpp_threads:
+        for flash in (False, True):
+            settings = LlamaCppSettings(threads, flash)
+            peer.run(prompts[:8], [4] * min(8, len(prompts)), settings)
+            runs[settings] = peer.run(prompts, lens, settings)[0]
+            print(f"   (llama-cpp {threads} threads, flash attention {'on' if flash else 'off'}: "
+                  f"{tokens / runs[settings][0]:.1f} tok/s)", flush=True)
+    best = min(runs, key=lambda s: runs[s][0])
+    return Measured(runs[best],
+                    f"best of threads {args.llama_cpp_threads} x flash attention off/on: {best.threads} threads, "
+                    f"flash attention {'on' if best.flash_attn else 'off'}; one context, unified KV holding every "
+                    f"request, n_batch {best.n_batch}, n_ubatch {best.n_ubatch}, greedy sampler, warmed up",
+                    dict(asdict(best), kv_unified=True, warmed_up=True,
+                         tried_tok_s={f"{s.threads} threads, flash {'on' if s.flash_attn else 'off'}":
+                                      round(tokens / w, 1) for s, (w, _) in runs.items()}))
+
+
 def median_run(runs: list[Measured]) -> Measured:
     """The run of median wall time (the slower middle one of an even count); its config gets every run's
     (wall, CPU) seconds as ``runs_s``."""
@@ -255,6 +281,11 @@ def run_model(name: str, args, results: list[Result]) -> None:
         if not (args.skip_hf_static and args.skip_hf_continuous):
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
+        peer = None
+        if args.llama_cpp:
+            from loadtest.llama_cpp_peer import LlamaCppPeer, write_gguf
+
+            peer = LlamaCppPeer(write_gguf(path, os.path.join(folder, f"{name}.gguf")))
         for workload in args.workloads:
             requests = make_workload(workload, args.num_requests, MODELS[name]["config"]["vocab_size"], args.seed)
             tokens = sum(r.output_len for r in requests)
@@ -266,6 +297,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
                 systems["hf-continuous"] = lambda: measure_hf_continuous(hf_model, requests, args)
+            if peer is not None:
+                systems["llama-cpp"] = lambda: measure_llama_cpp(peer, requests, args)
             runs: dict[str, list[Measured]] = {system: [] for system in systems}
             for _ in range(args.repeats):  # the systems alternate, so load that comes and goes hits each alike
                 for system, measure in systems.items():
@@ -299,7 +332,7 @@ def summarize(results: list[Result]) -> list[dict]:
         by = {r.system: r.tokens_per_s for r in mine}
         by_cpu = {r.system: r.tokens_per_cpu_s for r in mine}
         row = {"model": key[0], "workload": key[1], **{f"{s}_tok_s": round(v, 1) for s, v in by.items()}}
-        for base in ("hf-static", "hf-continuous"):
+        for base in ("hf-static", "hf-continuous", "llama-cpp"):
             if base in by and "pagedserve" in by:
                 row[f"ratio_vs_{base}"] = round(by["pagedserve"] / by[base], 2)
                 row[f"cpu_ratio_vs_{base}"] = round(by_cpu["pagedserve"] / by_cpu[base], 2)
@@ -320,6 +353,12 @@ def main() -> None:
     parser.add_argument("--hf-threads", default=None,
                         help="torch threads to try for transformers continuous batching (best is kept; "
                              "default: 1 and --threads)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp on the same weights (GGUF) and requests "
+                             "(pip install gguf llama-cpp-python)")
+    parser.add_argument("--llama-cpp-threads", default=None,
+                        help="llama.cpp threads to try, each with flash attention off and on (best is kept; "
+                             "default: 1 and --threads)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
@@ -334,6 +373,7 @@ def main() -> None:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.hf_page_sizes = [int(p) for p in args.hf_page_sizes.split(",")]
     args.hf_threads = sorted({int(t) for t in (args.hf_threads or f"1,{args.threads}").split(",")})
+    args.llama_cpp_threads = sorted({int(t) for t in (args.llama_cpp_threads or f"1,{args.threads}").split(",")})
     torch.set_num_threads(args.threads)
     results: list[Result] = []
     for name in args.models.split(","):
