@@ -24,8 +24,9 @@ no automatic attention switch; see ``hf_continuous_config``) at each of ``--hf-t
 oneDNN GEMMs run in an OpenMP team, which can do worse with 2 threads than 1 when the cores are shared); the
 best is kept, and each result stores its configuration (``config``: the settings, and every setting tried with
 its throughput) and a one-line ``detail``. ``--llama-cpp`` adds llama.cpp (``loadtest/llama_cpp_peer.py``: the
-checkpoint written as GGUF, the requests decoded in one context whose unified KV cache holds them all, with
-pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on.
+checkpoint written as GGUF, the requests decoded in one context whose KV cache holds them all, with
+pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
+the KV cache unified or one stream per request.
 
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
@@ -243,26 +244,29 @@ def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
 
 
 def measure_llama_cpp(peer, requests: list[Request], args) -> Measured:
-    """llama.cpp's best of ``--llama-cpp-threads`` x flash attention off / on, each after a warm-up batch."""
+    """llama.cpp's best of ``--llama-cpp-threads`` x flash attention off / on x a unified KV cache or one stream
+    per request, each after a warm-up batch."""
     from loadtest.llama_cpp_peer import LlamaCppSettings
 
     tokens, prompts, lens = sum(r.output_len for r in requests), [r.prompt for r in requests], [r.output_len for r in requests]
     runs = {}
-    for threads in args.llama_cpp_threads:
-        for flash in (False, True):
-            settings = LlamaCppSettings(threads, flash)
-            peer.run(prompts[:8], [4] * min(8, len(prompts)), settings)
-            runs[settings] = peer.run(prompts, lens, settings)[0]
-            print(f"   (llama-cpp {threads} threads, flash attention {'on' if flash else 'off'}: "
-                  f"{tokens / runs[settings][0]:.1f} tok/s)", flush=True)
+    for settings in (LlamaCppSettings(t, flash, unified) for t in args.llama_cpp_threads for flash in (False, True)
+                     for unified in (True, False)):
+        peer.run(prompts[:8], [4] * min(8, len(prompts)), settings)
+        runs[settings] = peer.run(prompts, lens, settings)[0]
+        print(f"   (llama-cpp {_llama_cpp_label(settings)}: {tokens / runs[settings][0]:.1f} tok/s)", flush=True)
     best = min(runs, key=lambda s: runs[s][0])
     return Measured(runs[best],
-                    f"best of threads {args.llama_cpp_threads} x flash attention off/on: {best.threads} threads, "
-                    f"flash attention {'on' if best.flash_attn else 'off'}; one context, unified KV holding every "
-                    f"request, n_batch {best.n_batch}, n_ubatch {best.n_ubatch}, greedy sampler, warmed up",
-                    dict(asdict(best), kv_unified=True, warmed_up=True,
-                         tried_tok_s={f"{s.threads} threads, flash {'on' if s.flash_attn else 'off'}":
-                                      round(tokens / w, 1) for s, (w, _) in runs.items()}))
+                    f"best of threads {args.llama_cpp_threads} x flash attention off/on x KV unified/per request: "
+                    f"{_llama_cpp_label(best)}; one context holding every request, n_batch {best.n_batch}, "
+                    f"n_ubatch {best.n_ubatch}, greedy sampler, warmed up",
+                    dict(asdict(best), warmed_up=True,
+                         tried_tok_s={_llama_cpp_label(s): round(tokens / w, 1) for s, (w, _) in runs.items()}))
+
+
+def _llama_cpp_label(s) -> str:
+    return (f"{s.threads} threads, flash attention {'on' if s.flash_attn else 'off'}, "
+            f"KV {'unified' if s.kv_unified else 'per request'}")
 
 
 def median_run(runs: list[Measured]) -> Measured:
@@ -357,8 +361,8 @@ def main() -> None:
                         help="also run llama.cpp on the same weights (GGUF) and requests "
                              "(pip install gguf llama-cpp-python)")
     parser.add_argument("--llama-cpp-threads", default=None,
-                        help="llama.cpp threads to try, each with flash attention off and on (best is kept; "
-                             "default: 1 and --threads)")
+                        help="llama.cpp threads to try, each with flash attention off and on and a unified or "
+                             "per-request KV cache (best is kept; default: 1 and --threads)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")

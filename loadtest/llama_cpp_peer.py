@@ -1,6 +1,6 @@
 """llama.cpp as a peer of ``bench_offline``: the same checkpoint written as GGUF, the same requests decoded with
-llama.cpp's own batched decoding (one context, a unified KV cache that holds every request at once, greedy
-sampling in C).
+llama.cpp's own batched decoding (one context whose KV cache holds every request at once, unified or one
+stream per request, greedy sampling in C).
 
     pip install gguf llama-cpp-python   # the latter builds llama.cpp from source (~10 minutes on 2 cores)
 
@@ -121,6 +121,9 @@ def _add_tensor(writer, name: str, tensor: torch.Tensor) -> None:
 class LlamaCppSettings:
     threads: int
     flash_attn: bool
+    # One KV buffer for all requests (attention then masks over every request's cells), or one stream per
+    # request, each as long as the longest request.
+    kv_unified: bool = True
     n_batch: int = 2048  # bench_offline's per-step token budget
     n_ubatch: int = 512
 
@@ -160,11 +163,12 @@ class LlamaCppPeer:
     def _context_params(self, prompts, output_lens, settings: LlamaCppSettings):
         lib = self.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = sum(len(p) + n for p, n in zip(prompts, output_lens)) + 256
+        lengths = [len(p) + n for p, n in zip(prompts, output_lens)]
+        params.n_ctx = sum(lengths) + 256 if settings.kv_unified else len(lengths) * (max(lengths) + 256)
         params.n_batch, params.n_ubatch = settings.n_batch, settings.n_ubatch
         params.n_seq_max = len(prompts)
         params.n_threads = params.n_threads_batch = settings.threads
-        params.kv_unified = True
+        params.kv_unified = settings.kv_unified
         params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.no_perf = True

@@ -79,12 +79,15 @@ def test_llama_cpp_greedy_tokens_match_pagedserve(tmp_path):
 
     checkpoint = build_checkpoint("llama", tmp_path / "hf")
     prompts, lens = [[5, 6, 7, 8], [9, 10, 11], [12] * 20], [8, 8, 8]
-    peer = LlamaCppPeer(write_gguf(checkpoint.path, str(tmp_path / "model.gguf")))
-    try:
-        _, cpp = peer.run(prompts, lens, LlamaCppSettings(threads=1, flash_attn=False, n_batch=16))
-    finally:
-        peer.close()
     llm = LLM(checkpoint.path, skip_tokenizer_init=True, show_progress=False)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert cpp == [list(o.outputs[0].token_ids) for o in outs]
+    want = [list(o.outputs[0].token_ids) for o in outs]
+    peer = LlamaCppPeer(write_gguf(checkpoint.path, str(tmp_path / "model.gguf")))
+    try:
+        for unified in (True, False):  # a 16-token budget: the long prompt goes in chunks beside decodes
+            _, got = peer.run(prompts, lens, LlamaCppSettings(threads=1, flash_attn=False, kv_unified=unified,
+                                                              n_batch=16))
+            assert got == want
+    finally:
+        peer.close()
