@@ -31,7 +31,7 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 at::Tensor row_argmax_cpu(const at::Tensor& x);
 at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& hidden,
-                                   at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                                   at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& optional,
                                    at::IntArrayRef sizes, const at::Tensor& positions, const at::Tensor& cos,
                                    const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,

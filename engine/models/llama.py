@@ -64,7 +64,7 @@ class FusedLayer:
 
     op: Callable[..., torch.Tensor]
     weights: list[torch.Tensor]  # input norm, packed qkv, packed o, post-attention norm, packed gate_up, down
-    biases: list[torch.Tensor | None]  # qkv, o, gate_up, down
+    optional: list[torch.Tensor | None]  # the qkv, o, gate_up and down biases, the q and k norms (Qwen3)
     sizes: list[int]  # heads, KV heads, head size, then each linear's output features
     attn: PagedAttention  # the model runner binds its KV cache views after the load
     eps: float
@@ -74,7 +74,7 @@ class FusedLayer:
         if residual is None:  # the first layer: its input is the residual stream, normalised without an add
             residual, h = h, None
         a = self.attn
-        out = self.op(residual, h, self.weights, self.biases, self.sizes, rope.positions, rope.rotary.cos,
+        out = self.op(residual, h, self.weights, self.optional, self.sizes, rope.positions, rope.rotary.cos,
                       rope.rotary.sin, a.k_cache, a.v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale)
         return out, residual
@@ -107,18 +107,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU), on one rank (a row-parallel layer needs its all-reduce) and without q/k norms."""
+        packed (CPU), on one rank (a row-parallel layer needs its all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if ops.llama_decoder_layer is None or attn.q_norm is not None or attn.o_proj.tp.size > 1 \
-                or any(linear.packed is None for linear in linears):
+        unpacked = any(linear.packed is None for linear in linears)
+        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or unpacked:
             return
         qkv, o, gate_up, down = (linear.packed for linear in linears)
+        norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
         self.fused = FusedLayer(
             ops.llama_decoder_layer,
             [self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight, gate_up.packed,
              down.packed],
-            [qkv.bias, o.bias, gate_up.bias, down.bias],
+            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms],
             [attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
              gate_up.out_features, down.out_features],
             attn.attn, self.input_layernorm.eps)

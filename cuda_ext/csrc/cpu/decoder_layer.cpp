@@ -1,4 +1,4 @@
-// One Llama-family decoder layer (pre-norm attention + gated MLP, optional q/k/v and MLP biases) in one CPU
+// One Llama-family decoder layer (pre-norm attention + gated MLP, optional biases and q/k norms) in one CPU
 // call: the same ops in the same order as the model's Python forward (engine/models/llama.py), so the result is
 // bit-identical to it. What it saves is the Python and dispatch between the ops, ~0.2-0.3 ms a layer: time in
 // which memory sat idle between weight-streaming GEMMs and the GEMM's helper threads fell back asleep.
@@ -22,33 +22,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }  // namespace
 
 at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& hidden,
-                                   at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                                   at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& optional,
                                    at::IntArrayRef sizes, const at::Tensor& positions, const at::Tensor& cos,
                                    const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale) {
-  TORCH_CHECK(weights.size() == 6 && biases.size() == 4 && sizes.size() == 7,
+  TORCH_CHECK(weights.size() == 6 && optional.size() == 6 && sizes.size() == 7,
               "llama_decoder_layer takes 6 weights (input norm, qkv, o, post-attention norm, gate_up, down), "
-              "4 optional biases (qkv, o, gate_up, down) and 7 sizes, got ", weights.size(), ", ", biases.size(),
-              " and ", sizes.size());
+              "6 optional ones (qkv, o, gate_up and down biases, q and k norms) and 7 sizes, got ", weights.size(),
+              ", ", optional.size(), " and ", sizes.size());
   const int64_t tokens = residual.size(0), heads = sizes[0], kv_heads = sizes[1], d = sizes[2];
   // Without `hidden` (the first layer) the residual stream is the layer's input as it is.
   const at::Tensor x = hidden ? fused_add_rms_norm_cpu(residual, *hidden, weights[0], eps)
                               : rms_norm(residual, weights[0], eps);
-  const at::Tensor qkv = skinny_linear_cpu(x, weights[1], biases.get(0), sizes[3]).view({tokens, -1, d});
+  const at::Tensor qkv = skinny_linear_cpu(x, weights[1], optional.get(0), sizes[3]).view({tokens, -1, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
+  const c10::optional<at::Tensor> q_norm = optional.get(4), k_norm = optional.get(5);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "llama_decoder_layer: a q norm without a k norm or back");
+  if (q_norm)  // each head normalised (Qwen3), into a new q|k as the Python forward's two norms and cat
+    qk = at::cat({rms_norm(qk.narrow(1, 0, heads), *q_norm, eps), rms_norm(qk.narrow(1, heads, kv_heads), *k_norm, eps)},
+                 1);
   rotary_embedding_cpu(qk, positions, cos, sin);
-  const at::Tensor q = qkv.narrow(1, 0, heads);
-  reshape_and_cache_cpu(qkv.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
+  const at::Tensor q = qk.narrow(1, 0, heads);
+  reshape_and_cache_cpu(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
                         value_cache, slot_mapping);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                       max_seq_len, scale);
-  const at::Tensor o = skinny_linear_cpu(attn.view({tokens, heads * d}), weights[2], biases.get(1), sizes[4]);
+  const at::Tensor o = skinny_linear_cpu(attn.view({tokens, heads * d}), weights[2], optional.get(1), sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
-  const at::Tensor gate_up = skinny_linear_cpu(h, weights[4], biases.get(2), sizes[5]);
-  return skinny_linear_cpu(silu_and_mul_cpu(gate_up), weights[5], biases.get(3), sizes[6]);
+  const at::Tensor gate_up = skinny_linear_cpu(h, weights[4], optional.get(2), sizes[5]);
+  return skinny_linear_cpu(silu_and_mul_cpu(gate_up), weights[5], optional.get(3), sizes[6]);
 }
 
 }  // namespace pagedserve
