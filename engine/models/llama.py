@@ -17,6 +17,7 @@ from engine.layers.rotary import RopeStep, RotaryEmbedding
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
 
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
