@@ -3,6 +3,7 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
 
 namespace pagedserve {
@@ -26,6 +27,13 @@ std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weig
                                                           const c10::optional<at::Tensor>& bias);
 at::Tensor skinny_argmax_screened_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& screen,
                                       const at::Tensor& bounds, const c10::optional<at::Tensor>& bias);
+// The bf16 screen (argmax_screen_int8.cpp), behind pack_argmax_screen / skinny_argmax_screened: its pack of a
+// contiguous bf16 weight, and the argmax (nullopt: the screen does not apply here, or cannot bound x).
+bool argmax_screen_int8_supports_cpu();
+std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_int8_cpu(const at::Tensor& weight);
+std::optional<at::Tensor> skinny_argmax_screened_int8_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                          const at::Tensor& screen, const at::Tensor& bounds,
+                                                          const float* bias);
 at::Tensor fused_add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);

@@ -106,5 +106,8 @@ def test_bf16_tied_lm_head_gives_fp32_logits_and_their_argmax(tmp_path):
     plain = model.lm_head(hidden)
     assert plain.dtype == torch.bfloat16 and logits.dtype == torch.float32
     assert torch.equal(logits, plain.float()) and torch.equal(argmax, plain.argmax(-1))
+    for rows in (2, 5):  # the argmax alone: screened (int8) up to 4 rows where the CPU has it, the same tokens
+        alone, only_argmax = model.compute_logits(hidden[:rows], need_logits=False)
+        assert alone is None and torch.equal(only_argmax, argmax[:rows])
     hf_logits = checkpoint.hf_model.lm_head.to(torch.bfloat16)(hidden)  # oneDNN's GEMM: rounding may differ
     torch.testing.assert_close(logits, hf_logits.float(), rtol=2 ** -7, atol=2 ** -7)

@@ -113,27 +113,6 @@ class RowBest {
 // Xeon: even at 1 row, ahead from 2): at 1 row the vdpbf16ps tiles keep up with the weight stream.
 inline constexpr int64_t kAmxMinRows = 2;
 
-// Rows past one register tile share the panel chunk by chunk: the row blocks take turns on a chunk (the
-// first reads it from memory, the others from L1) while each fetches its share of the next chunk by hand,
-// so the weights stream on while every block computes. Whole-panel passes, one block after another, left
-// memory idle in all but the first: Qwen2-0.5B's GEMM at 8-16 rows took 15% longer (Zen 5).
-inline constexpr int64_t kChunkBytes = 8 << 10;
-inline constexpr int64_t kGroupRows = 8 * kRows;  // rows sharing the chunks (their sums fill run_panel's scratch)
-
-// out[0:rows, 0:kPanel] = x[0:rows, 0:k_len] @ panel through the register tiles, rows <= kGroupRows.
-template <typename S, typename T = typename S::T>
-void tile_group(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
-  constexpr int64_t chunk = kChunkBytes / kDepthBytes<S> * S::kDepth, lines = kDepthBytes<S> / 64;
-  const int64_t blocks = (rows + kRows - 1) / kRows;
-  for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {
-    // Past a panel's end the thread's next panel follows in memory; a prefetch past the weights is harmless.
-    Prefetch ahead{reinterpret_cast<const char*>(panel + k0 * kPanel) + kChunkBytes, (lines + blocks - 1) / blocks};
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows)
-      tile_rows<S>(std::min(kRows, rows - r0), x + r0 * ldx + k0, ldx, panel + k0 * kPanel,
-                   std::min(chunk, k_len - k0), out + r0 * kPanel, k0 > 0, ahead);
-  }
-}
-
 template <typename S, typename T = typename S::T>
 void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
 #ifdef PAGEDSERVE_SKINNY_AMX

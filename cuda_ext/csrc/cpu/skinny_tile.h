@@ -1,11 +1,12 @@
-// The skinny GEMM's register tiles (skinny_gemm.cpp, argmax_screen.cpp): out[r, 0:kPanel] = sum_k x[r, k] *
+// The skinny GEMM's register tiles (skinny_gemm.cpp, argmax_screen*.cpp): out[r, 0:kPanel] = sum_k x[r, k] *
 // panel[k, 0:kPanel] for up to kRows rows, the panel packed by pack_linear_weight. One "step" struct per
-// element type: fp32 (FMA) and bf16 (vdpbf16ps, AVX512-BF16 builds).
+// element type: fp32 (FMA), bf16 (vdpbf16ps, AVX512-BF16 builds) and bytes (vpdpbusd).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -63,6 +64,32 @@ struct Bf16Step {
   static Operand broadcast_last(const T* row, int64_t k) { return (__m512bh)_mm512_set1_epi32(row[k].x); }
   static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbf16_ps(acc, a, w); }
   static void store(float* out, Acc acc) { _mm512_storeu_ps(out, acc); }
+};
+#endif
+
+#if defined(PAGEDSERVE_SKINNY_BF16) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_SKINNY_INT8 1
+// bytes (vpdpbusd, AVX512-VNNI; the bf16 LM head's int8 screen, argmax_screen_int8.cpp): 4 k per 32-bit lane,
+// x unsigned (broadcast), the panel signed; fp32 scratch holds the integer sums (rounded past 2^24, which the
+// screen's bound allows for).
+struct I8Step {
+  using T = uint8_t;
+  using Acc = __m512i;
+  using Operand = __m512i;
+  static constexpr int64_t kDepth = 4;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc load(const float* src) { return _mm512_cvtps_epi32(_mm512_loadu_ps(src)); }
+  static Operand weights(const T* panel, int64_t k, int64_t v) {
+    return _mm512_loadu_si512(panel + (k / 4 * kPanel + v * kW) * 4);
+  }
+  static Operand broadcast(const T* row, int64_t k) {
+    int32_t quad;
+    std::memcpy(&quad, row + k, sizeof(quad));
+    return _mm512_set1_epi32(quad);
+  }
+  static Operand broadcast_last(const T* row, int64_t k) { return broadcast(row, k); }  // rows are padded to 4
+  static Acc madd(Acc acc, Operand a, Operand w) { return _mm512_dpbusd_epi32(acc, a, w); }
+  static void store(float* out, Acc acc) { _mm512_storeu_ps(out, _mm512_cvtepi32_ps(acc)); }
 };
 #endif
 
@@ -126,6 +153,27 @@ void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename
     case 4: return tile<S, 4>(x, ldx, panel, k_len, out, accumulate, ahead);
     case 5: return tile<S, 5>(x, ldx, panel, k_len, out, accumulate, ahead);
     default: return tile<S, kRows>(x, ldx, panel, k_len, out, accumulate, ahead);
+  }
+}
+
+// Rows past one register tile share the panel chunk by chunk: the row blocks take turns on a chunk (the
+// first reads it from memory, the others from L1) while each fetches its share of the next chunk by hand,
+// so the weights stream on while every block computes. Whole-panel passes, one block after another, left
+// memory idle in all but the first: Qwen2-0.5B's GEMM at 8-16 rows took 15% longer (Zen 5).
+inline constexpr int64_t kChunkBytes = 8 << 10;
+inline constexpr int64_t kGroupRows = 8 * kRows;  // rows sharing the chunks (their sums fill run_panel's scratch)
+
+// out[0:rows, 0:kPanel] = x[0:rows, 0:k_len] @ panel through the register tiles, rows <= kGroupRows.
+template <typename S, typename T = typename S::T>
+void tile_group(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+  constexpr int64_t chunk = kChunkBytes / kDepthBytes<S> * S::kDepth, lines = kDepthBytes<S> / 64;
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {
+    // Past a panel's end the thread's next panel follows in memory; a prefetch past the weights is harmless.
+    Prefetch ahead{reinterpret_cast<const char*>(panel + k0 * kPanel) + kChunkBytes, (lines + blocks - 1) / blocks};
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+      tile_rows<S>(std::min(kRows, rows - r0), x + r0 * ldx + k0, ldx, panel + k0 * kPanel,
+                   std::min(chunk, k_len - k0), out + r0 * kPanel, k0 > 0, ahead);
   }
 }
 
