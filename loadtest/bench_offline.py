@@ -248,7 +248,8 @@ def measure_llama_cpp(peer, requests: list[Request], args) -> Measured:
     per request, each after a warm-up batch."""
     from loadtest.llama_cpp_peer import LlamaCppSettings
 
-    tokens, prompts, lens = sum(r.output_len for r in requests), [r.prompt for r in requests], [r.output_len for r in requests]
+    prompts, lens = [r.prompt for r in requests], [r.output_len for r in requests]
+    tokens = sum(lens)
     runs = {}
     for settings in (LlamaCppSettings(t, flash, unified) for t in args.llama_cpp_threads for flash in (False, True)
                      for unified in (True, False)):

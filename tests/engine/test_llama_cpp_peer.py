@@ -30,10 +30,12 @@ def test_interleaved_weights_rotate_to_the_same_attention_scores():
     """q.k after llama.cpp's rotary on the permuted weights equals q.k after HF's on the originals."""
     torch.manual_seed(0)
     heads, d, hidden = 3, 8, 16
-    wq, wk, x, y = torch.randn(heads * d, hidden), torch.randn(heads * d, hidden), torch.randn(hidden), torch.randn(hidden)
+    wq, wk = torch.randn(heads * d, hidden), torch.randn(heads * d, hidden)
+    x, y = torch.randn(hidden), torch.randn(hidden)
     angles = 5 * torch.rand(d // 2)
-    hf_q, hf_k = (_rope_half((w @ v).view(heads, d), angles) for w, v in ((wq, x), (wk, y)))
-    cpp_q, cpp_k = (_rope_interleaved((interleave_rotary(w, heads) @ v).view(heads, d), angles) for w, v in ((wq, x), (wk, y)))
+    pairs = ((wq, x), (wk, y))
+    hf_q, hf_k = (_rope_half((w @ v).view(heads, d), angles) for w, v in pairs)
+    cpp_q, cpp_k = (_rope_interleaved((interleave_rotary(w, heads) @ v).view(heads, d), angles) for w, v in pairs)
     torch.testing.assert_close((cpp_q * cpp_k).sum(-1), (hf_q * hf_k).sum(-1), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(interleave_rotary(wq, heads), wq)
 

@@ -129,6 +129,9 @@ def test_bf16_ties_outliers_and_rows_it_cannot_bound():
     bad = x.clone()
     bad[1, 2], bad[2, 5] = float("nan"), float("inf")
     assert torch.equal(screened_bf16(bad, weight, None), fused(bad, weight, None))
+    nan_only = x.clone()  # a NaN without an inf beside it: the screen must see it too
+    nan_only[3, 7] = float("nan")
+    assert torch.equal(screened_bf16(nan_only, weight, None), fused(nan_only, weight, None))
     assert screened_bf16(torch.empty(0, 64).bfloat16(), weight, None).shape == (0,)
 
 

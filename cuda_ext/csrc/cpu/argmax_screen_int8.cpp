@@ -41,18 +41,32 @@ int64_t padded_k(int64_t k_len) { return (k_len + 3) / 4 * 4; }
 // Bounds rows: s_c, |w_c|_2, |w_c - w^_c|_2, sum_k q_ck, the fp32 estimate's and the flush slack terms.
 enum Bound { kScale, kNorm, kResidual, kColSum, kArith, kSlack, kBoundRows };
 
+// max_k |v_k|, NaN when a v_k is (std::max would skip it).
+float max_abs(const BFloat16* v, int64_t n) {
+  float m = 0.f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(float(v[k]));
+    if (std::isnan(a)) return a;
+    m = std::max(m, a);
+  }
+  return m;
+}
+
+// The int8 step of a vector whose largest magnitude is ``top`` (1 for an all-zero vector).
+float int8_scale(float top) { return top > 0.f ? top / 127.f : 1.f; }
+
+int to_int8(double v, float scale) { return static_cast<int>(std::clamp(std::nearbyint(v / scale), -127.0, 127.0)); }
+
 // One column into the int8 panels ([panels, K4 / 4, kPanel, 4]) and its bounds.
 void pack_column(const BFloat16* w, int64_t k_len, int64_t c, int8_t* screen, int64_t panel_numel, float* bounds,
                  int64_t n) {
-  float max_abs = 0.f;
-  for (int64_t k = 0; k < k_len; ++k) max_abs = std::max(max_abs, std::fabs(float(w[k])));
-  const float scale = max_abs > 0.f ? max_abs / 127.f : 1.f;
+  const float scale = int8_scale(max_abs(w, k_len));
   int8_t* out = screen + c / kPanel * panel_numel + c % kPanel * 4;
   double norm = 0, residual = 0;
   int64_t sum = 0;
   for (int64_t k = 0; k < k_len; ++k) {
     const double v = float(w[k]);
-    const int q = static_cast<int>(std::clamp(std::nearbyint(v / scale), -127.0, 127.0));
+    const int q = to_int8(v, scale);
     out[k / 4 * kPanel * 4 + k % 4] = static_cast<int8_t>(q);
     norm += v * v, residual += (v - double(scale) * q) * (v - double(scale) * q), sum += q;
   }
@@ -70,14 +84,13 @@ struct RowTerms {
 };
 
 std::optional<RowTerms> quantize_row(const BFloat16* x, int64_t k_len, uint8_t* out) {
-  float max_abs = 0.f;
-  for (int64_t k = 0; k < k_len; ++k) max_abs = std::max(max_abs, std::fabs(float(x[k])));
-  if (!std::isfinite(max_abs) || max_abs > 1e18f) return std::nullopt;
-  const float scale = max_abs > 0.f ? max_abs / 127.f : 1.f;
+  const float top = max_abs(x, k_len);
+  if (!std::isfinite(top) || top > 1e18f) return std::nullopt;  // NaN, inf, or norms past float range
+  const float scale = int8_scale(top);
   double err = 0, qnorm = 0, norm = 0;
   for (int64_t k = 0; k < k_len; ++k) {
     const double v = float(x[k]);
-    const int q = static_cast<int>(std::clamp(std::nearbyint(v / scale), -127.0, 127.0));
+    const int q = to_int8(v, scale);
     out[k] = static_cast<uint8_t>(q + 128);
     const double xh = double(scale) * q;
     err += (v - xh) * (v - xh), qnorm += xh * xh, norm += v * v;
@@ -189,7 +202,8 @@ std::optional<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor&
            n, screen.size(1) * screen.size(2)};
   std::vector<std::optional<Kept>> chunks(panels);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * s.panel_numel, 1));
-  parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { chunks[begin].emplace(screen_panels(s, begin, end)); });
+  parallel_for(0, panels, grain,
+               [&](int64_t begin, int64_t end) { chunks[begin].emplace(screen_panels(s, begin, end)); });
   std::vector<Kept> screens;
   for (auto& chunk : chunks)
     if (chunk) screens.push_back(std::move(*chunk));

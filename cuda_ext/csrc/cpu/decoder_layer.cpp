@@ -41,8 +41,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
   const c10::optional<at::Tensor> q_norm = optional.get(4), k_norm = optional.get(5);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "llama_decoder_layer: a q norm without a k norm or back");
   if (q_norm)  // each head normalised (Qwen3), into a new q|k as the Python forward's two norms and cat
-    qk = at::cat({rms_norm(qk.narrow(1, 0, heads), *q_norm, eps), rms_norm(qk.narrow(1, heads, kv_heads), *k_norm, eps)},
-                 1);
+    qk = at::cat(
+        {rms_norm(qk.narrow(1, 0, heads), *q_norm, eps), rms_norm(qk.narrow(1, heads, kv_heads), *k_norm, eps)}, 1);
   rotary_embedding_cpu(qk, positions, cos, sin);
   const at::Tensor q = qk.narrow(1, 0, heads);
   reshape_and_cache_cpu(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
