@@ -21,8 +21,8 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 @dataclass(slots=True, frozen=True)
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
-    fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax (signatures in
-    cuda_ext.reference), and
+    fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax, structured output's
+    apply_token_bitmask (signatures in cuda_ext.reference), and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
     F.linear;
     llama_decoder_layer: a whole Llama-family layer on packed weights in one call (CPU), or None."""
@@ -35,6 +35,7 @@ class KernelOps:
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
     row_argmax: Callable[[torch.Tensor], torch.Tensor]
+    apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     pack_linear: Callable[..., PackedLinear | None]
     llama_decoder_layer: Callable[..., torch.Tensor] | None
 
@@ -59,6 +60,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         rotary_embedding=module.rotary_embedding,
         silu_and_mul=module.silu_and_mul,
         row_argmax=module.row_argmax,
+        apply_token_bitmask=module.apply_token_bitmask,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
         llama_decoder_layer=module.llama_decoder_layer if backend == "ext" else None,
     )

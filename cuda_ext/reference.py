@@ -109,6 +109,17 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: ``logits[rows[i], j] = -inf`` where bit ``j % 32`` of ``bitmask[i, j // 32]`` (int32, xgrammar's
+    layout) is clear; tokens past the bitmask's ``32 * words`` are forbidden too."""
+    n, dev = logits.shape[1], logits.device
+    bits = (bitmask.to(dev).unsqueeze(-1) >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :n].bool()
+    allowed = torch.nn.functional.pad(allowed, (0, n - allowed.shape[1]))
+    targets = rows.to(dev)
+    logits[targets] = logits[targets].masked_fill(~allowed, float("-inf"))
+
+
 def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """[out, in] -> panels of ``panel`` output columns, zero-padded past ``out``. fp32:
     [ceil(out / panel), in, panel], panel p holding columns [p * panel, (p + 1) * panel) as

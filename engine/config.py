@@ -48,6 +48,8 @@ class EngineConfig:
     num_threads: int | None = spec(help="torch CPU threads")
     tensor_parallel_size: int = spec(1, low=1, help="split the model across this many processes (one GPU each on "
                                                     "CUDA; gloo on CPU), sharing one scheduler and block table")
+    max_grammar_bytes: int = spec(64 << 20, low=1, help="largest compiled structured-output grammar; a request "
+                                                        "over it fails alone")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:

@@ -17,10 +17,47 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "demo-model")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML as Qwen2.5 / Qwen3 write it: plain messages as <|im_start|>role\ncontent<|im_end|>; with tools, a system
+# turn listing them in <tools></tools> (Hermes style), an assistant's calls as <tool_call>{json}</tool_call>,
+# tool results as <tool_response> inside a user turn; enable_thinking=false closes an empty <think> block.
+CHAT_TEMPLATE = "".join([
+    "{%- set first_is_system = messages and messages[0]['role'] == 'system' -%}",
+    "{%- if tools -%}",
+    "{{- '<|im_start|>system\\n' -}}",
+    "{%- if first_is_system -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}",
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'",
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}",
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}",
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '",
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'",
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if tools and loop.first and first_is_system -%}",
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') -%}",
+    "{{- '<|im_start|>assistant' -}}",
+    "{%- if message['content'] -%}{{- '\\n' + message['content'] -}}{%- endif -%}",
+    "{%- for call in message['tool_calls'] -%}",
+    "{%- set call = call['function'] if call['function'] is defined else call -%}",
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' -}}",
+    "{{- (call['arguments'] if call['arguments'] is string else call['arguments'] | tojson) + '}\\n</tool_call>' -}}",
+    "{%- endfor -%}",
+    "{{- '<|im_end|>\\n' -}}",
+    "{%- elif message['role'] == 'tool' -%}",
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}",
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}",
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- else -%}",
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}",
+    "{{- '<|im_start|>assistant\\n' -}}",
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}",
+    "{%- endif -%}",
+])
+# Written into the folder: a folder of an older version (another template, other weights) is rewritten.
+DEMO_VERSION = "2"
 SEED = 1234
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE, MAX_POSITIONS = 256, 4, 4, 2, 688, 2048
 VOCAB = 256 + len(SPECIAL_TOKENS)
@@ -30,9 +67,17 @@ EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 def ensure_demo_model(path: str | None = None) -> str:
     """Write the demo model once (``PAGEDSERVE_DEMO_MODEL_DIR`` overrides the default folder); return its folder."""
     path = path or os.environ.get("PAGEDSERVE_DEMO_MODEL_DIR") or DEFAULT_DIR
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+    if not os.path.isfile(os.path.join(path, "model.safetensors")) or _version(path) != DEMO_VERSION:
         write_demo_model(path)
     return path
+
+
+def _version(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "demo_version")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def write_demo_model(path: str) -> str:
@@ -44,6 +89,8 @@ def write_demo_model(path: str) -> str:
         _write_config(tmp)
         _write_tokenizer(tmp)
         save_file(_random_weights(), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "demo_version"), "w") as f:
+            f.write(DEMO_VERSION + "\n")
         _make_readable(tmp)
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -101,6 +101,8 @@ def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
         whole = merged[out.request_id] = RequestOutput(out.request_id, out.prompt_token_ids, [])
     whole.finished, whole.metrics = out.finished, out.metrics
     whole.num_cached_tokens = out.num_cached_tokens
+    if out.prompt_logprobs is not None:  # on one output only
+        whole.prompt_logprobs = out.prompt_logprobs
     by_index = {c.index: c for c in whole.outputs}
     for delta in out.outputs:
         c = by_index.get(delta.index)

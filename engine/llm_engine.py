@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 
 from engine import beam_search
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.distributed.executor import create_executor
-from engine.model_runner import Logits
-from engine.outputs import CompletionOutput, RequestOutput, ResumeState
+from engine.model_runner import Logits, PromptLogprobs
+from engine.outputs import CompletionOutput, RequestOutput, ResumeState, TokenLogprobs
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager, check_structured_output
+
+# The longest structured_output spec (schema / regex / grammar text) the engine compiles.
+MAX_STRUCTURED_OUTPUT_CHARS = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,13 @@ class LLMEngine:
         self._aborted: list[SequenceGroup] = []
         # Resumed requests with choices finished on arrival (their stop condition already met): reported next step.
         self._resumed_ends: dict[str, tuple[SequenceGroup, list[Sequence]]] = {}
+        # The prompt logprobs of requests that asked, filled in as their prefill chunks run (entry 0 is None).
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        self.grammar = StructuredOutputManager(self._tokenizer_info, config.max_grammar_bytes,
+                                               self.runner.ops.apply_token_bitmask)
+        # Requests whose grammar compiles on the manager's pool, in arrival order; then their compiled grammar.
+        self._pending: deque[tuple[SequenceGroup, ResumeState | None, Future]] = deque()
+        self._grammars: dict[str, object] = {}
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -50,15 +63,27 @@ class LLMEngine:
                     resume: ResumeState | None = None) -> None:
         """Queue a request. ``resume``: the request ran elsewhere and its engine died; it continues
         from the tokens already delivered (recomputed as context) exactly as an undisturbed run would,
-        and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over."""
+        and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over.
+        ``params.prompt_logprobs`` come with the first output; a resumed request that had delivered tokens
+        already had them, so they are not computed again (one that had delivered none gets them)."""
         self._validate(request_id, prompt_token_ids, params)
         if resume is not None:
             self._validate_resume(prompt_token_ids, params, resume)
         group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
                               time.time() if arrival_time is None else arrival_time,
                               cache_salt=cache_salt.encode() if cache_salt else None)
-        self.scheduler.add_group(group)
+        self.scheduler.check_new(group)
         self._groups[request_id] = group
+        if params.structured_output is not None:  # scheduled once its grammar is compiled (_admit_pending)
+            self._pending.append((group, resume, self.grammar.compile(params.structured_output)))
+        else:
+            self._schedule_new(group, resume)
+
+    def _schedule_new(self, group: SequenceGroup, resume: ResumeState | None) -> None:
+        request_id = group.request_id
+        self.scheduler.add_group(group)
+        if wants_prompt_logprobs(group, group.seqs[0]):
+            self._prompt_logprobs[request_id] = [None]
         if resume is not None:
             ended = [seq for seq in group.seqs if seq.is_finished and resume.finish_reasons[seq.index] is None]
             if ended or group.is_finished:
@@ -72,6 +97,10 @@ class LLMEngine:
         if not prompt:
             raise ValueError("the prompt is empty (it needs at least one token)")
         self._check_token_ids("prompt", prompt)
+        if params.logit_bias:
+            self._check_token_ids("logit_bias", list(params.logit_bias))
+        if params.structured_output is not None:
+            check_structured_output(params.structured_output, MAX_STRUCTURED_OUTPUT_CHARS)
         wanted = len(prompt) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise ValueError(f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
@@ -109,7 +138,34 @@ class LLMEngine:
             for group in aborted:
                 self._resumed_ends.pop(group.request_id, None)
             for request_id in known:
-                del self._groups[request_id]
+                self._forget_grammar(self._groups.pop(request_id))
+
+    def _forget_grammar(self, group: SequenceGroup) -> None:
+        """An aborted request's grammar state; one still compiling is aborted here (the scheduler never saw it)."""
+        if any(g is group for g, _, _ in self._pending):
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self._aborted.append(group)
+        if self._grammars.pop(group.request_id, None) is not None:
+            for seq in group.seqs:
+                self.grammar.release(seq.seq_id)
+
+    def _admit_pending(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready, in arrival order; fail those whose grammar failed."""
+        outputs = []
+        while self._pending and self._pending[0][2].done():
+            group, resume, future = self._pending.popleft()
+            if group.request_id not in self._groups:  # aborted while compiling
+                continue
+            if future.exception() is not None:
+                for seq in group.seqs:
+                    seq.status = SequenceStatus.FINISHED_ERROR
+                outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR,
+                                                  f"structured_output: {future.exception()}"))
+                continue
+            self._grammars[group.request_id] = future.result()
+            self._schedule_new(group, resume)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._aborted) or bool(self._resumed_ends)
@@ -124,6 +180,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._final_output(g, SequenceStatus.FINISHED_ABORTED) for g in self._aborted]
         self._aborted.clear()
+        if self._pending:
+            outputs += self._admit_pending()
         outputs += self._resumed_end_outputs()
         out = self.scheduler.schedule()
         for group in out.failed:
@@ -153,18 +211,85 @@ class LLMEngine:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
+        if logits is not None and logits.prompt is not None:
+            self._record_prompt_logprobs(out, logits.prompt)  # first: the positions are read off the seqs' tokens
         samples, beams = out.samples(), out.beam_samples()
         beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
         groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
+        if self._grammars:
+            self._advance_grammars(samples)
         return [self._step_output(g, now) for g in groups]
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, prompt: PromptLogprobs) -> None:
+        """Append the step's prompt rows to their requests' prompt logprobs. A re-prefill (recompute
+        preemption before the first token) starts over: what it recomputes replaces the earlier entries."""
+        token, top_ids, top_logprobs = prompt.token.tolist(), prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
+        row = 0
+        for s in out.scheduled:
+            span = s.prompt_logprob_positions()
+            entries = self._prompt_logprobs.get(s.group.request_id) if span else None
+            if entries is not None:
+                k = s.group.params.prompt_logprobs
+                del entries[span.start + 1:]
+                entries += [[(target, token[r]), *zip(top_ids[r][:k], top_logprobs[r][:k])]
+                            for r, target in enumerate(s.seq.token_ids[span.start + 1:span.stop + 1], row)]
+            row += len(span)
 
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
         if not samples:
             return SamplerOutput([], [])
         if len(samples) != len(logits):  # forks draw several tokens from one row
             logits = logits.select([row for row, _, _ in samples])
-        return self.sampler(logits.values, [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples],
-                            logits.argmax)
+        seqs = [seq for _, _, seq in samples]
+        constrain = self._constrain(seqs, samples) if self._grammars else None
+        return self.sampler(logits.values, seqs, [s.group.params for _, s, _ in samples], logits.argmax, constrain)
+
+    # ---- structured output ------------------------------------------------
+    def _tokenizer_info(self):
+        import transformers
+        import xgrammar
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(self.config.tokenizer)
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.config.model_config.vocab_size,
+                                                       stop_token_ids=sorted(self.eos_token_ids) or None)
+
+    def _constrain(self, seqs: list[Sequence], samples: list[tuple[int, ScheduledSeq, Sequence]]):
+        """The mask of the constrained rows, synced to their sequences' tokens (a matcher whose count
+        differs, after preemption, a failed step, resume or a fork, is rebuilt from the tokens)."""
+        rows, matchers = [], []
+        for i, (_, s, seq) in enumerate(samples):
+            compiled = self._grammars.get(s.group.request_id)
+            if compiled is not None:
+                m = self.grammar.matcher(seq.seq_id, compiled)
+                if m.sync(seq.output_token_ids):
+                    rows.append(i)
+                    matchers.append(m)
+        if not rows:
+            return None
+
+        def constrain(logits: torch.Tensor) -> None:
+            for i in self.grammar.fill_mask(logits, rows, matchers):  # no token allowed: the choice ends
+                logits[i, 0] = 0.0  # a placeholder draw; _advance_grammars fails the choice
+                matchers[rows.index(i)].consumed = -1
+        return constrain
+
+    def _advance_grammars(self, samples: list[tuple[int, ScheduledSeq, Sequence]]) -> None:
+        """Feed each constrained choice its new token: a completed grammar stops it, a token the
+        grammar refuses (no token was allowed) ends it with an error."""
+        for _, s, seq in samples:
+            compiled = self._grammars.get(s.group.request_id)
+            if compiled is None:
+                continue
+            m = self.grammar.matcher(seq.seq_id, compiled)
+            if not seq.is_finished:
+                if m.consumed < 0 or not m.sync(seq.output_token_ids):
+                    self.scheduler.finish_seq(s.group, seq, SequenceStatus.FINISHED_ERROR)
+                elif m.terminated:
+                    self.scheduler.finish_seq(s.group, seq, SequenceStatus.FINISHED_STOPPED)
+            if seq.is_finished:
+                self.grammar.release(seq.seq_id)
+            if s.group.is_finished:
+                self._grammars.pop(s.group.request_id, None)
 
     def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         groups = {s.group.request_id: s.group for s in out.scheduled}
@@ -204,8 +329,20 @@ class LLMEngine:
             group.metrics.finished_time = time.time()
             self._groups.pop(group.request_id, None)
         first = group.seqs[0]
+        prompt_logprobs = self._take_prompt_logprobs(group, finished) if self._prompt_logprobs else None
         return RequestOutput(group.request_id, first.token_ids[:first.num_prompt_tokens], completions, finished,
-                             error, group.num_cached_tokens, group.metrics)
+                             error, group.num_cached_tokens, group.metrics, None, prompt_logprobs)
+
+    def _take_prompt_logprobs(self, group: SequenceGroup, finished: bool) -> list[TokenLogprobs | None] | None:
+        """The request's prompt logprobs once complete, handed over once; a request that ends before they
+        are complete (aborted, failed) drops them."""
+        entries = self._prompt_logprobs.get(group.request_id)
+        if entries is None:
+            return None
+        complete = len(entries) == group.seqs[0].num_prompt_tokens
+        if complete or finished:
+            del self._prompt_logprobs[group.request_id]
+        return entries if complete else None
 
     @staticmethod
     def _delta(group: SequenceGroup, seq: Sequence) -> CompletionOutput:
@@ -219,7 +356,10 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.grammar_mask_seconds_total = self.grammar.mask_seconds
+        stats.grammar_mask_steps_total = self.grammar.mask_steps
+        return stats
 
 
 def _new_seqs(prompt: list[int], resume: ResumeState | None) -> list[Sequence]:

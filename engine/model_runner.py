@@ -4,7 +4,7 @@ parallelism rank 0 plans and every rank runs the same plan (engine/distributed/e
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
@@ -25,6 +25,20 @@ class Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the hidden states that get logits
     need_logits: bool = True  # False: every sampled row takes the argmax only (SamplingParams.argmax_only)
+    # Rows whose logits score the next prompt token (ScheduledSeq.prompt_logprob_positions), usually none. Their
+    # targets (those next tokens) and the largest top-k asked are rank 0's only: the others just join the LM head.
+    prompt_rows: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
+    prompt_targets: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
+    prompt_k: int = 0
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Per ``Batch.prompt_rows`` row, on the host: its target token's fp32 logprob and the top ``prompt_k``."""
+
+    token: torch.Tensor  # [rows]
+    top_ids: torch.Tensor  # [rows, k]
+    top_logprobs: torch.Tensor  # [rows, k]
 
 
 @dataclass(slots=True)
@@ -34,6 +48,7 @@ class Logits:
 
     values: torch.Tensor | None
     argmax: torch.Tensor | None = None
+    prompt: PromptLogprobs | None = None  # when a seq of the step asked for prompt logprobs
 
     def __len__(self) -> int:
         return (self.argmax if self.values is None else self.values).shape[0]
@@ -91,13 +106,30 @@ class ModelRunner:
                                  self._dev(b.meta.seq_lens), self._dev(b.meta.query_start_loc),
                                  b.meta.max_query_len, b.meta.max_seq_len)
         hidden = self.model(self._dev(b.input_ids), self._dev(b.positions), meta)
+        prompt = self._prompt_logprobs(hidden, b) if b.prompt_rows.numel() else None
         if b.sample_rows.numel() == 0:
-            return None
+            return None if prompt is None else Logits(None, None, prompt)
         # index_select, not hidden[rows]: advanced indexing runs an OpenMP region (~0.2 ms, more under load).
         logits, argmax = self.model.compute_logits(hidden.index_select(0, self._dev(b.sample_rows)), b.need_logits)
         if logits is None:
-            return None if argmax is None else Logits(None, argmax)
-        return Logits(logits.float(), argmax)
+            return None if argmax is None and prompt is None else Logits(None, argmax, prompt)
+        return Logits(logits.float(), argmax, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:
+        """The prompt rows scored a slice at a time, so no more than one slice's [rows, vocab] logits exist at
+        once; only each row's target logprob and top k are kept. None on tensor-parallel ranks other than 0."""
+        parts = []
+        for i in range(0, len(b.prompt_rows), _PROMPT_ROWS_PER_PASS):
+            rows = self._dev(b.prompt_rows[i:i + _PROMPT_ROWS_PER_PASS])
+            logits, _ = self.model.compute_logits(hidden.index_select(0, rows))
+            if logits is not None:  # rank 0
+                targets = self._dev(b.prompt_targets[i:i + _PROMPT_ROWS_PER_PASS])
+                logprobs = logits.float().log_softmax(dim=-1)
+                top_logprobs, top_ids = logprobs.topk(b.prompt_k, dim=-1)
+                parts.append((logprobs.gather(1, targets.unsqueeze(1)).squeeze(1), top_ids, top_logprobs))
+        if not parts:
+            return None
+        return PromptLogprobs(*(torch.cat(column).cpu() for column in zip(*parts)))
 
     def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
@@ -113,6 +145,7 @@ class ModelRunner:
         conversion (``torch.tensor`` of a list costs ~0.3 us an element). Slots go a block-run at a time
         (``extend(range)``), so there is no per-token Python even in a long prefill."""
         input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
+        prompt_rows, prompt_targets, prompt_k = array("q"), array("q"), 0
         argmax_only = True
         query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
         width, bs = max(len(s.block_table) for s in scheduled), self.block_size
@@ -127,6 +160,11 @@ class ModelRunner:
                 input_ids.fromlist(s.seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 _append_slots(slots, table, start, end, bs)
+            if start < s.seq.num_prompt_tokens - 1 and (span := s.prompt_logprob_positions()):  # decodes: never
+                first = len(input_ids) - (end - start)  # this chunk's first row
+                prompt_rows.extend(range(first, first + len(span)))
+                prompt_targets.fromlist(s.seq.token_ids[span.start + 1:span.stop + 1])
+                prompt_k = max(prompt_k, s.group.params.prompt_logprobs)
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables.fromlist(table)
@@ -141,7 +179,8 @@ class ModelRunner:
             seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
         return Batch(_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
-                     _host_tensor(sample_rows, torch.int64), not argmax_only)
+                     _host_tensor(sample_rows, torch.int64), not argmax_only, _host_tensor(prompt_rows, torch.int64),
+                     _host_tensor(prompt_targets, torch.int64), prompt_k)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
@@ -173,6 +212,9 @@ def _new_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, devic
 
 
 _NO_PAIRS = torch.empty(0, 2, dtype=torch.int64)
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+# Prompt rows whose logits exist at once: 512 x a 128k vocabulary in fp32 is 256 MiB (and as much for log_softmax).
+_PROMPT_ROWS_PER_PASS = 512
 
 
 def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:

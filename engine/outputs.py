@@ -42,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt: str | None = None
+    # SamplingParams.prompt_logprobs, on the request's first output only: per prompt token, None for the first,
+    # then [(prompt_token_ids[i], logprob), *top k] (as in CompletionOutput.logprobs, the token may recur there).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 # The finish reasons a choice can end with on its own (abort and error end the whole request).

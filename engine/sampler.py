@@ -22,7 +22,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Penalties -> min_tokens mask -> temperature -> top-k / top-p / min-p -> sample.
+    """logit_bias -> penalties -> min_tokens mask -> grammar mask -> temperature -> top-k / top-p / min-p -> sample.
 
     Random rows draw ``argmax(p / E)`` with ``E ~ Exp(1)`` noise (equivalent to
     sampling from ``p``). A seeded row gets its noise from a generator seeded by
@@ -39,14 +39,20 @@ class Sampler:
         self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],
-                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+                 argmax: torch.Tensor | None = None,
+                 constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
         """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM).
-        No ``logits``: every row is ``SamplingParams.argmax_only`` and the LM head gave the argmax alone."""
+        No ``logits``: every row is ``SamplingParams.argmax_only`` and the LM head gave the argmax alone.
+        ``constrain``: masks the constrained rows of (a copy of) the logits in place (structured output)."""
         if logits is None:
             return SamplerOutput(argmax.tolist(), [None] * len(params))
         raw = logits
+        logits = _bias(logits, params)
         logits = self._penalize(logits, seqs, params)
         logits = self._mask_early_stops(logits, seqs, params)
+        if constrain is not None:
+            logits = logits.clone() if logits is raw else logits
+            constrain(logits)  # a masked row's argmax is then recomputed below: ``logits is raw`` is False
         greedy_tokens = argmax if argmax is not None and logits is raw else self.argmax(logits)
         if all(p.greedy for p in params):  # the common case: one argmax, one host copy, no per-row Python
             tokens = greedy_tokens
@@ -99,6 +105,17 @@ class Sampler:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(dev)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:  # ids were checked against the vocabulary by LLMEngine._validate
+        bias = params[i].logit_bias
+        logits[i, list(bias)] += torch.tensor(list(bias.values()), device=logits.device)
+    return logits
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

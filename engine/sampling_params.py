@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.field_specs import check_fields, spec
+from engine.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 128
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(slots=True)
@@ -29,6 +31,12 @@ class SamplingParams:
     stop_token_ids: list[int] = spec([], low=0, max_items=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = spec(None, low=0, high=MAX_LOGPROBS)  # top alternatives per token; 0: none
+    # Each prompt token's logprob and its top alternatives (vLLM's; None: off), on the request's first output.
+    prompt_logprobs: int | None = spec(None, low=0, high=MAX_LOGPROBS)
+    # A grammar the output must follow (a dict, the wire form, is converted).
+    structured_output: StructuredOutputParams | None = None
+    # Token id -> bias in [-100, 100] added to the logits; a list of [id, bias] pairs (the wire form) is converted.
+    logit_bias: dict[int, float] | None = None
     # Beam search (vLLM's former API): best_of (default n) candidates, the n best hypotheses returned.
     use_beam_search: bool = False
     best_of: int | None = spec(None, low=1)
@@ -40,6 +48,10 @@ class SamplingParams:
             self.top_k = -1
         self.stop_token_ids = list(self.stop_token_ids)
         check_fields(self)
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutputParams.from_wire(self.structured_output)
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.use_beam_search:
@@ -55,7 +67,9 @@ class SamplingParams:
             ("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0),
             ("presence_penalty", self.presence_penalty, 0.0), ("frequency_penalty", self.frequency_penalty, 0.0),
             ("repetition_penalty", self.repetition_penalty, 1.0), ("min_tokens", self.min_tokens, 0),
-            ("logprobs", self.logprobs, None)) if value != default]
+            ("logprobs", self.logprobs, None), ("prompt_logprobs", self.prompt_logprobs, None),
+            ("structured_output", self.structured_output, None), ("logit_bias", self.logit_bias, None))
+            if value != default]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported with use_beam_search")
 
@@ -77,8 +91,22 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """The next token is the raw logits' argmax and nothing else of the logits is read: greedy, no
         penalties, no min_tokens mask, no logprobs, no beam search."""
-        return (self.greedy and self.logprobs is None and not self.use_beam_search and not self.min_tokens
-                and not self.presence_penalty and not self.frequency_penalty and self.repetition_penalty == 1.0)
+        return (self.greedy and self.logprobs is None and self.prompt_logprobs is None and not self.use_beam_search
+                and not self.min_tokens and not self.presence_penalty and not self.frequency_penalty
+                and self.repetition_penalty == 1.0 and self.structured_output is None and not self.logit_bias)
+
+
+def _check_logit_bias(bias: dict | list) -> dict[int, float]:
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    try:
+        result = {int(t): float(b) for t, b in pairs}
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias must map token ids to numbers") from None
+    if len(result) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(result)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+    if any(t < 0 for t in result) or any(not -100 <= b <= 100 for b in result.values()):
+        raise ValueError("logit_bias token ids must be >= 0 and biases in [-100, 100]")
+    return result
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ def _gauge(name: str, help_text: str) -> Any:
     return field(metadata={"prometheus": name, "kind": "gauge", "help": help_text})
 
 
-def _counter(name: str, help_text: str) -> Any:
-    return field(metadata={"prometheus": name, "kind": "counter", "help": help_text})
+def _counter(name: str, help_text: str, **default: Any) -> Any:
+    return field(metadata={"prometheus": name, "kind": "counter", "help": help_text}, **default)
 
 
 @dataclass(slots=True)
@@ -40,3 +40,8 @@ class EngineStats:
     generation_tokens_total: int = _counter("vllm:generation_tokens", "Generated tokens.")
     num_swapped_out_blocks_total: int = _counter("pagedserve:num_swapped_out_blocks", "KV blocks swapped out to CPU.")
     num_swapped_in_blocks_total: int = _counter("pagedserve:num_swapped_in_blocks", "KV blocks swapped back in.")
+    # Set by the engine (the scheduler knows no grammar): a benchmark reports seconds / steps per step.
+    grammar_mask_seconds_total: float = _counter("pagedserve:grammar_mask_seconds", "Seconds filling and applying "
+                                                 "structured-output token masks.", default=0.0)
+    grammar_mask_steps_total: int = _counter("pagedserve:grammar_mask_steps", "Steps that masked constrained rows.",
+                                             default=0)

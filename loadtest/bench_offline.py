@@ -112,11 +112,11 @@ def make_workload(name: str, count: int, vocab: int, seed: int) -> list[Request]
     return [Request([rng.randrange(vocab) for _ in range(i)], o) for i, o in zip(inputs, outputs)]
 
 
-def write_checkpoint(name: str, folder: str) -> str:
+def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) -> str:
     spec = MODELS[name]
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["arch"]]
-    # eos disabled: every system must generate the full requested length.
-    config = config_cls(**spec["config"], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    # eos disabled by default: every system must generate the full requested length.
+    config = config_cls(**spec["config"], bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]))
     model.save_pretrained(folder, safe_serialization=True)

@@ -85,7 +85,21 @@ class GatewayConfig:
     max_n: int = spec(16, low=1, help="largest n accepted")
     max_stop_strings: int = spec(16, help="most stop strings per request")
     max_stop_string_len: int = spec(256, low=1, help="longest stop string accepted, in characters")
-    max_logprobs: int = spec(20, help="largest logprobs / top_logprobs accepted")
+    max_logprobs: int = spec(20, help="largest logprobs / top_logprobs / prompt_logprobs accepted")
+    max_logit_bias: int = spec(300, low=0, high=1024, help="most logit_bias entries per request")
+    max_prompts: int = spec(64, low=1, help="most prompts in one /v1/completions request (a list of prompts)")
+    # Compiling a schema takes time and memory proportional to its size; this bounds both.
+    max_structured_output_chars: int = spec(64 << 10, low=1, help="largest JSON schema / regex / grammar / "
+                                                                   "choice list accepted, in characters")
+    # vLLM's names; None or "none": tool_choice "auto" is refused (a forced call needs no parser).
+    tool_call_parser: str | None = spec("hermes", choices=("hermes", "llama3_json", "mistral", "none", None),
+                                        help="format of the tool calls the model writes (hermes: Qwen2.5/Qwen3/"
+                                             "Hermes, llama3_json: Llama 3.1/3.2, mistral), parsed for "
+                                             "tool_choice 'auto'; none: no parsing")
+    reasoning_parser: str | None = spec(None, choices=("deepseek_r1", "qwen3", None),
+                                        help="split the model's <think>...</think> into reasoning_content "
+                                             "(deepseek_r1: the template opens it in the prompt; qwen3: the "
+                                             "model opens it)")
     engine_poll_s: float = spec(0.5, flag="--engine-poll", help="seconds between reads of the engines' heartbeats")
     retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429 or a 503")
     # A Redis blip must not fail every healthy stream: only this many failed reads in a row do.

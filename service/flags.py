@@ -78,7 +78,7 @@ def _flag_kwargs(cls: type, f: Field) -> dict[str, Any]:
     if kind is bool:
         return {"action": "store_false" if f.default else "store_true"}
     if allowed := choices(cls, f.name):
-        return {"type": kind, "default": f.default, "choices": list(allowed)}
+        return {"type": kind, "default": f.default, "choices": [c for c in allowed if c is not None]}  # None: unset
     metavar = flag_name(f).lstrip("-").upper().replace("-", "_")  # the flag's name, not the field's
     if kind is tuple:
         return {"action": "append", "default": list(f.default), "metavar": metavar}

@@ -13,11 +13,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from aiohttp import web
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
+
+from engine.structured_output import check_structured_output
 
 from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
@@ -26,8 +29,12 @@ from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, StreamRecord, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
 from service.openapi import openapi_document
-from service.protocol import APIError, GenerationRequest, check_context, parse_chat, parse_completion, parse_json
+from service.protocol import (APIError, GenerationRequest, TokenizeRequest, check_context, parse_chat, parse_completion,
+                              parse_detokenize, parse_json, parse_tokenize)
+from service.reasoning import ReasoningStream
 from service.tokenization import encode_chat, encode_prompt
+from service.tool_parsers import PARSERS, ForcedCallParser, MessageStream, ToolCallStream, merge
+from service.tools import check_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,8 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/streams/{request_id}", self.resume_stream)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -193,10 +202,43 @@ class Gateway:
 
     async def _generate(self, http: web.Request, req: GenerationRequest, body: bytes,
                         start: float) -> web.StreamResponse:
-        if req.model != self.model_name:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
+        self._check_model(req.model)
         self._check_chars(req)
+        check_tool_parser(req.tools, self.config.tool_call_parser)
+        await self._check_structured_output(req)
+        if len(req.prompts) <= 1:
+            return await (await self._submit(http, req, body, start)).serve()
+        # A list of prompts: one engine request each, every one stored with its own prompt (so each resumes
+        # alone), answered as one response whose choice k * n + i is choice i of prompt k.
+        fields = json.loads(body)
+        runs: list[_Run] = []
+        try:
+            for prompt in req.prompts:
+                one = replace(req, prompt=prompt, prompts=[prompt], params=replace(req.params))
+                runs.append(await self._submit(http, one, json.dumps({**fields, "prompt": prompt}).encode(), start))
+        except BaseException:
+            for run in runs:
+                run.close()
+            raise
+        return await serve_runs(runs)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+
+    async def _check_structured_output(self, req: GenerationRequest) -> None:
+        """Compiles the schema / regex / grammar once (cached) on the tokenizer threads: a bad one is a 400
+        here, never a failure in the engine."""
+        if (so := req.params.structured_output) is None:
+            return
+        try:
+            await self.off_loop(check_structured_output, so, self.config.max_structured_output_chars)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=req.structured_output_param) from None
+
+    async def _submit(self, http: web.Request, req: GenerationRequest, body: bytes, start: float) -> _Run:
+        """Tokenizes, checks the context and the queue, and queues one engine request."""
         prompt_ids, assembler = await self.off_loop(self._prepare, req)
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
@@ -210,7 +252,30 @@ class Gateway:
             queue = await self.broker.submit(msg, record)
         except BrokerUnavailable as exc:
             raise unavailable(str(exc), self.config.retry_after_s) from exc
-        return await _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created).serve()
+        return _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created)
+
+    # ---- /tokenize, /detokenize (vLLM's) -------------------------------------
+    async def tokenize(self, http: web.Request) -> web.Response:
+        req = parse_tokenize(parse_json(await http.read()))
+        self._check_model(req.model)
+        ids = await self.off_loop(self._tokenize_only, req)
+        return web.json_response({"count": len(ids), "max_model_len": self._context_len(), "tokens": ids})
+
+    def _tokenize_only(self, req: TokenizeRequest) -> list[int]:
+        try:
+            if req.messages is None:
+                return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tools = req.tools.template_tools() if req.tools is not None else None
+            return encode_chat(self.tokenizer, req.messages, req.add_generation_prompt, tools,
+                               req.chat_template_kwargs)
+        except (ValueError, TemplateError) as exc:
+            raise APIError(400, str(exc), param="prompt" if req.messages is None else "messages") from exc
+
+    async def detokenize(self, http: web.Request) -> web.Response:
+        model, ids = parse_detokenize(parse_json(await http.read()))
+        self._check_model(model)
+        self._check_ids("tokens", ids)
+        return web.json_response({"prompt": await self.off_loop(self.tokenizer.decode, ids)})
 
     # ---- resume (SSE Last-Event-ID) ----------------------------------------
     async def resume_stream(self, http: web.Request) -> web.StreamResponse:
@@ -264,17 +329,17 @@ class Gateway:
         """Rejects a prompt that cannot fit the context whatever the tokenizer makes of it, before paying
         for tokenizing it: even at ``max_chars_per_token`` characters per token it is too long."""
         context = self._context_len()
+        chars = context * self.config.max_chars_per_token
         if req.chat:
-            size, limit, what = sum(len(m["content"]) for m in req.messages), \
-                context * self.config.max_chars_per_token, "characters of message content"
-        elif isinstance(req.prompt, list):
-            size, limit, what = len(req.prompt), context, "token ids"
-        else:
-            size, limit, what = len(req.prompt), context * self.config.max_chars_per_token, "characters"
-        if size > limit:
-            raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
-                                f"accepts at most {limit} {what}; this request has {size}.",
-                           param="messages" if req.chat else "prompt", code="context_length_exceeded")
+            sizes = [(_chat_chars(req), chars, "characters of messages and tools")]
+        else:  # each prompt is its own engine request and must fit on its own
+            sizes = [(len(p), context, "token ids") if isinstance(p, list) else (len(p), chars, "characters")
+                     for p in req.prompts]
+        for size, limit, what in sizes:
+            if size > limit:
+                raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
+                                    f"accepts at most {limit} {what}; this request has {size}.",
+                               param="messages" if req.chat else "prompt", code="context_length_exceeded")
 
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
@@ -288,19 +353,25 @@ class Gateway:
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         try:
             if req.chat:
-                ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt)
+                tools = req.tools.template_tools() if req.tools is not None else None
+                ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt, tools,
+                                  req.chat_template_kwargs)
             else:
                 ids = req.prompt if isinstance(req.prompt, list) else encode_prompt(self.tokenizer, req.prompt)
         except (ValueError, TemplateError) as exc:  # no template, or the template refused the messages
             raise APIError(400, str(exc), param="messages" if req.chat else "prompt") from exc
-        vocab = len(self.tokenizer)
-        req.params.top_k = min(req.params.top_k, vocab)  # beyond the vocabulary, top-k keeps every token
-        for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids)):
-            if any(not 0 <= t < vocab for t in values):
-                raise APIError(400, f"{name} holds token ids outside the vocabulary [0, {vocab})", param=name)
+        req.params.top_k = min(req.params.top_k, len(self.tokenizer))  # beyond the vocabulary, top-k keeps all
+        for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids),
+                             ("logit_bias", list(req.params.logit_bias or ()))):
+            self._check_ids(name, values)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         return ids
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{name} holds token ids outside the vocabulary [0, {vocab})", param=name)
 
     def _check_capacity(self) -> None:
         problem = self._unavailable_reason()
@@ -336,15 +407,22 @@ class _Run:
         self.start = start  # when the HTTP request arrived: TTFT includes validation and tokenizing
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[Any] | None = None  # the engine's, from the first event that has them
         self.engine_done = False
         self.client_gone = False
+        # A streamed chat choice's parsers (reasoning, tool calls); a whole response parses each choice at its end.
+        self.messages = [self._message_stream(i) for i in range(req.params.n)] if req.chat and req.stream else []
 
     async def serve(self) -> web.StreamResponse:
+        return await serve_runs([self])
+
+    async def guarded(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, None when the client went away; the run is closed either way."""
         try:
-            return await (self.stream() if self.req.stream else self.complete())
+            return await work
         except ClientGone:
             self.client_gone = True
-            return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+            return None
         except asyncio.CancelledError:  # aiohttp cancels a handler whose client hung up (or at shutdown)
             self.client_gone = True
             raise
@@ -422,6 +500,8 @@ class _Run:
 
     def _observe(self, event: ReplyEvent) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
         if self.skip_through is not None or not any(c.token_ids for c in event.choices):  # a replay: no latency
             return
         now = time.perf_counter()
@@ -438,65 +518,96 @@ class _Run:
             metrics.success.labels(name, self.assembler.finish_reason(index)).inc()
 
     def _usage(self) -> dict[str, Any]:
-        return responses.usage(len(self.prompt_ids), self.assembler.num_completion_tokens, self.num_cached_tokens)
+        completion_tokens = 0 if self.req.echo_only else self.assembler.num_completion_tokens
+        return responses.usage(len(self.prompt_ids), completion_tokens, self.num_cached_tokens)
 
     # ---- non-streaming ----------------------------------------------------
-    async def complete(self) -> web.Response:
+    async def complete(self) -> dict[str, Any]:
+        """The whole response body."""
         lp_parts: list[list[dict[str, Any]]] = [[] for _ in range(self.req.params.n)]
         async for updates in self.updates():
             for u, logprobs in updates:
                 if logprobs is not None:
                     lp_parts[u.index].append(logprobs)
         choices = [self._final_choice(i, parts) for i, parts in enumerate(lp_parts)]
+        if self.req.echo or self.req.prompt_logprobs is not None:
+            await self.gw.off_loop(self._add_prompt_parts, choices)
         obj = "chat.completion" if self.req.chat else "text_completion"
-        return web.json_response(responses.envelope(self.request_id, obj, self.created, self.gw.model_name,
-                                                     choices, self._usage()))
+        return responses.envelope(self.request_id, obj, self.created, self.gw.model_name, choices, self._usage())
+
+    def _add_prompt_parts(self, choices: list[dict[str, Any]]) -> None:
+        """echo (the prompt's text, and with logprobs its tokens' logprobs, before each choice's) and vLLM's
+        per-choice prompt_logprobs; on the tokenizer threads (a decode per prompt token)."""
+        entries = self.prompt_logprobs or [None] * len(self.prompt_ids)
+        if self.req.prompt_logprobs is not None:
+            listed = self.logprobs.prompt_logprobs(entries, self.req.prompt_logprobs)
+            for choice in choices:
+                choice["prompt_logprobs"] = listed
+        if self.req.echo:
+            text = self.req.prompt if isinstance(self.req.prompt, str) else self.gw.tokenizer.decode(self.prompt_ids)
+            head = self.logprobs.prompt_completion(self.prompt_ids, entries) if self.req.want_logprobs else None
+            for choice in choices:
+                responses.prepend_echo(choice, text, head, self.req.echo_only)
 
     def _final_choice(self, index: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
         text, reason = self.assembler.text(index), self.assembler.finish_reason(index)
         if self.req.chat:
             logprobs = {"content": [e for p in parts for e in p["content"]]} if self.req.want_logprobs else None
-            return responses.chat_choice(index, text, logprobs, reason)
+            stream = self._message_stream(index)
+            message = merge(stream.feed(text, final=True)) if stream is not None else {"content": text}
+            return responses.chat_choice(index, message, logprobs, reason)
         logprobs = responses.LogprobFormatter.merge_completion(parts) if self.req.want_logprobs else None
         return responses.completion_choice(index, text, logprobs, reason)
 
     # ---- streaming --------------------------------------------------------
-    async def stream(self) -> web.StreamResponse:
-        # Validation is done and the request is queued, so the 200 can go out now.
-        sse = _SSEWriter(web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}),
-                         self.request_id, -1 if self.skip_through is None else self.skip_through)
-        await sse.response.prepare(self.http)
-        try:
-            if self.req.chat:
-                roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(self.req.params.n)]
-                await sse.send(self._chunk(roles))
-            async for updates in self.updates():
-                for u, logprobs in updates:
-                    if u.text or u.finish_reason or logprobs is not None:
-                        await sse.send(self._chunk([self._chunk_choice(u, logprobs)]))
-            if self.req.include_usage:
-                await sse.send(self._chunk([], self._usage()))
-        except APIError as exc:
-            await sse.send(exc.body())
-        except (ClientGone, ConnectionResetError):
-            self.client_gone = True
-            return sse.response
-        except Exception:  # the 200 is out: the error can only be the stream's last event
-            await sse.send(internal_error(f"stream of {self.request_id} failed", self.request_id).body())
-        await sse.done()
-        return sse.response
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks, the usage chunk aside (``stream_runs`` sends it, summed over the runs)."""
+        if self.req.chat:
+            roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(self.req.params.n)]
+            yield self._chunk(roles)
+        async for updates in self.updates():
+            for u, logprobs in updates:
+                if u.text or u.finish_reason or logprobs is not None:
+                    for choice in self._chunk_choices(u, logprobs):
+                        yield self._chunk([choice])
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.req.chat else "text_completion"
         return responses.envelope(self.request_id, obj, self.created, self.gw.model_name, choices, usage,
                                   with_usage=self.req.include_usage)
 
-    def _chunk_choice(self, u: ChoiceUpdate, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        if self.req.chat:
-            return responses.chat_chunk_choice(u, logprobs)
-        return responses.completion_choice(u.index, u.text, logprobs, u.finish_reason)
+    def _chunk_choices(self, u: ChoiceUpdate, logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The update's chunk choices: one, or for a parsed chat choice one per delta part (none while the
+        parsers hold its text back); logprobs go with the first, the finish reason with the last."""
+        if not self.req.chat:
+            return [responses.completion_choice(u.index, u.text, logprobs, u.finish_reason)]
+        stream = self.messages[u.index]
+        if stream is None:
+            return [responses.chat_chunk_choice(u, logprobs)]
+        deltas = stream.feed(u.text, final=u.finish_reason is not None)
+        if not deltas and (u.finish_reason or logprobs is not None):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [responses.chat_delta_choice(u.index, d, logprobs if k == 0 else None,
+                                            u.finish_reason if k == last else None, stream.num_calls > 0)
+                for k, d in enumerate(deltas)]
+
+    def _message_stream(self, index: int) -> MessageStream | None:
+        """A chat choice's parsers: reasoning (--reasoning-parser), then tool calls (a forced call's JSON, or
+        --tool-call-parser's format for tool_choice "auto"); None when neither applies."""
+        tools, parser = self.req.tools, None
+        if tools is not None and tools.forced:
+            parser = ForcedCallParser(tools.name)
+        elif tools is not None and tools.choice == "auto":
+            parser = PARSERS[self.gw.config.tool_call_parser]()
+        name = self.gw.config.reasoning_parser
+        thinking = self.req.chat_template_kwargs.get("enable_thinking", True) is not False
+        reasoning = ReasoningStream(name, thinking) if name else None
+        if parser is None and reasoning is None:
+            return None
+        calls = ToolCallStream(parser, f"{self.request_id}:{index}") if parser is not None else None
+        return MessageStream(calls, reasoning)
 
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
         """This update's logprobs in the endpoint's shape; None when not asked for or none came."""
@@ -505,6 +616,60 @@ class _Run:
         if self.req.chat:
             return self.logprobs.chat(u)
         return self.logprobs.completion(u, len(self.assembler.text(u.index)) - len(u.text))
+
+
+async def serve_runs(runs: list[_Run]) -> web.StreamResponse:
+    """The response to one HTTP request: its one run, or one run per prompt of a list (choice i of prompt k
+    is choice k * n + i, usage summed)."""
+    if runs[0].req.stream:
+        return await stream_runs(runs)
+    tasks = [asyncio.ensure_future(run.guarded(run.complete())) for run in runs]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # an engine error in one prompt fails the response: the others stop too
+        raise
+    if any(body is None for body in bodies):
+        return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+    return web.json_response(responses.merge_prompts(bodies, runs[0].req.params.n))
+
+
+async def stream_runs(runs: list[_Run]) -> web.StreamResponse:
+    """One SSE stream: the runs' chunks one run after the other (the engine runs them all at once; the
+    later ones' events wait in their queues), then the summed usage."""
+    first = runs[0]
+    # Validation is done and the requests are queued, so the 200 can go out now.
+    sse = _SSEWriter(web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                 "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}),
+                     first.request_id, -1 if first.skip_through is None else first.skip_through)
+    try:
+        await sse.response.prepare(first.http)
+        for k, run in enumerate(runs):
+            async for chunk in run.chunks():
+                chunk["id"] = first.request_id
+                for choice in chunk["choices"]:
+                    choice["index"] += k * run.req.params.n
+                await sse.send(chunk)
+        if first.req.include_usage:
+            await sse.send(first._chunk([], responses.sum_usage([run._usage() for run in runs])))
+    except APIError as exc:
+        await sse.send(exc.body())
+    except (ClientGone, ConnectionResetError):
+        for run in runs:
+            run.client_gone = True
+        return sse.response
+    except asyncio.CancelledError:  # aiohttp cancels a handler whose client hung up (or at shutdown)
+        for run in runs:
+            run.client_gone = True
+        raise
+    except Exception:  # the 200 is out: the error can only be the stream's last event
+        await sse.send(internal_error(f"stream of {first.request_id} failed", first.request_id).body())
+    finally:
+        for run in runs:
+            run.close()
+    await sse.done()
+    return sse.response
 
 
 class _SSEWriter:
@@ -528,6 +693,14 @@ class _SSEWriter:
         k, self._next_id = self._next_id, self._next_id + 1
         if k > self.skip_through:
             await self.response.write(f"id: {self.request_id}:{k}\ndata: {data}\n\n".encode("utf-8"))
+
+
+def _chat_chars(req: GenerationRequest) -> int:
+    """The characters a chat request renders: message text, tool-call arguments and tool definitions."""
+    size = sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+               for m in req.messages)
+    tools = req.tools.template_tools() if req.tools is not None else None
+    return size + (len(json.dumps(tools)) if tools else 0)
 
 
 def parse_event_id(value: str) -> tuple[str, int]:

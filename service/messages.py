@@ -17,8 +17,9 @@ from engine.stats import EngineStats
 
 # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
 # beam search (use_beam_search, best_of, length_penalty, early_stopping); 5: replies travel in one
-# ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress
-SCHEMA_VERSION = 5
+# ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
+# carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs
+SCHEMA_VERSION = 6
 
 T = TypeVar("T")
 
@@ -78,6 +79,8 @@ class ReplyEvent:
     # the next expected) and detects a gap (above it). ACCEPTED is not counted (CONTROL_INDEX): a resumer's
     # ACCEPTED must reach the gateway even if the dead engine's late events took its place in the sequence.
     index: int = -1
+    # The prompt's logprobs (RequestOutput.prompt_logprobs), on the first OUTPUT event of a request that asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if type(self.kind) is not EventKind:  # a decoded event carries the plain string (the check: 10x cheaper)
@@ -98,7 +101,7 @@ CONTROL_INDEX = -1
 class ReplyBatch:
     """Everything one engine step says to one gateway, one stream entry: the worker's cost per step is
     O(gateways), not O(requests). On the wire the events are arrays, not maps (a step carries hundreds):
-    ``[request_id, index, kind, choices, finished, num_cached_tokens, error, status]`` with each choice
+    ``[request_id, index, kind, choices, finished, num_cached_tokens, error, status, prompt_logprobs]`` with each choice
     ``[index, token_ids, logprobs, finish_reason]``; the engine id and incarnation are said once."""
 
     engine_id: str
@@ -162,7 +165,7 @@ class Heartbeat:
 
 
 # A ReplyBatch event on the wire: ``[request_id, index, kind, choices, finished, num_cached_tokens, error,
-# status]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker builds rows directly
+# status, prompt_logprobs]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker builds rows directly
 # (``output_row`` runs per request per step, its hottest line); gateways decode them into ReplyEvents.
 EventRow = list
 ROW_FINISHED = 4
@@ -171,13 +174,14 @@ _OUTPUT = EventKind.OUTPUT.value
 
 def event_row(request_id: str, e: ReplyEvent) -> EventRow:
     return [request_id, e.index, e.kind.value, _choice_rows(e.choices), e.finished, e.num_cached_tokens, e.error,
-            e.status]
+            e.status, e.prompt_logprobs]
 
 
 def output_row(request_id: str, index: int, outputs: list[CompletionOutput], finished: bool,
-               num_cached_tokens: int) -> EventRow:
+               num_cached_tokens: int, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> EventRow:
     """An OUTPUT event's row straight from the engine's outputs (no ReplyEvent, no ChoiceDelta)."""
-    return [request_id, index, _OUTPUT, _choice_rows(outputs), finished, num_cached_tokens, None, 500]
+    return [request_id, index, _OUTPUT, _choice_rows(outputs), finished, num_cached_tokens, None, 500,
+            prompt_logprobs]
 
 
 def _choice_rows(choices: list[ChoiceDelta] | list[CompletionOutput]) -> list[list]:
@@ -200,8 +204,8 @@ def decode_batch(payload: bytes) -> ReplyBatch:
         engine_id, incarnation = body["engine_id"], body["incarnation"]
         events = [(rid, ReplyEvent(_EVENT_KINDS[kind], engine_id, incarnation,
                                    [ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished, cached, error,
-                                   status, index))
-                  for rid, index, kind, choices, finished, cached, error, status in body["events"]]
+                                   status, index, prompt_lps))
+                  for rid, index, kind, choices, finished, cached, error, status, prompt_lps in body["events"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(f"malformed ReplyBatch: {exc!r}") from exc
     return ReplyBatch(engine_id, incarnation, events)
@@ -218,8 +222,14 @@ def encode(msg: Any) -> bytes:
 
 
 def params_to_wire(params: Any) -> dict[str, Any]:
-    """SamplingParams as a plain map; the worker rebuilds (and re-validates) it."""
-    return _fields(params)
+    """SamplingParams as a plain map; the worker rebuilds (and re-validates) it. The structured output
+    travels as its own map, logit_bias as [id, bias] pairs (msgpack maps with int keys are avoided)."""
+    wire = _fields(params)
+    if wire["structured_output"] is not None:
+        wire["structured_output"] = wire["structured_output"].to_wire()
+    if wire["logit_bias"] is not None:
+        wire["logit_bias"] = [[token, bias] for token, bias in wire["logit_bias"].items()]
+    return wire
 
 
 def _fields(msg: Any) -> dict[str, Any]:

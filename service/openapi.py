@@ -12,7 +12,7 @@ from engine.field_specs import value_bounds, value_type
 from engine.sampling_params import SamplingParams
 
 from service.config import GatewayConfig
-from service.protocol import MAX_CACHE_SALT_CHARS, ROLES
+from service.protocol import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, ROLES
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
@@ -34,8 +34,27 @@ def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
 
 
 _MAX_TOKENS = _param(_PARAMS["max_tokens"], with_default=False)  # chat's default is "up to the context"
+# SamplingParams fields a body gives in another shape (the structured output through the fields below).
+_NOT_SCALAR = {"logprobs", "structured_output", "logit_bias", "prompt_logprobs"}
+_JSON_SCHEMA = {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema (or its JSON text)"}
+_STRUCTURED = {  # at most one of these per request
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                         "strict": {"type": ["boolean", "null"]},
+                                                         "description": {"type": "string"}}}}},
+    "guided_json": _JSON_SCHEMA, "guided_regex": {"type": "string"},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+    "guided_grammar": {"type": "string", "description": "EBNF (xgrammar's / GBNF syntax)"},
+    "structured_outputs": {"type": "object", "description": "vLLM's: one of the properties", "properties": {
+        "json": _JSON_SCHEMA, "regex": {"type": "string"}, "choice": {"type": "array", "items": {"type": "string"}},
+        "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
+}
 _SAMPLING = {
-    **{name: _param(f) for name, f in _PARAMS.items() if name != "logprobs"}, "max_tokens": _MAX_TOKENS,
+    **{name: _param(f) for name, f in _PARAMS.items() if name not in _NOT_SCALAR}, "max_tokens": _MAX_TOKENS,
+    **_STRUCTURED, "prompt_logprobs": _param(_PARAMS["logprobs"], with_default=False),
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,12}$"},
+                   "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}},
     # transformers' values: a boolean or "never" (the one field whose type is not a single JSON type).
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"enum": ["never"]}], "default": False},
     "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
@@ -46,15 +65,47 @@ _SAMPLING = {
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "arguments": {"type": "string", "description": "a JSON object as text"}}}}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": sorted(ROLES)},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": "boolean"}}}}}
+_TEMPLATE_KWARGS = {"type": "object", "description": "extra chat template variables, e.g. {\"enable_thinking\": false}"}
 _CHAT = {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
          "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},
-         "top_logprobs": _param(_PARAMS["logprobs"])}
-_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {
-    "type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
-               "logprobs": _param(_PARAMS["logprobs"])}
+         "top_logprobs": _param(_PARAMS["logprobs"]), "tools": {"type": "array", "items": _TOOL},
+         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+             "type": "object", "required": ["type", "function"], "properties": {
+                 "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"],
+                                                              "properties": {"name": {"type": "string"}}}}}]},
+         "parallel_tool_calls": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},
+         "chat_template_kwargs": _TEMPLATE_KWARGS}
+_TEXT_PROMPT = {"type": "string", "minLength": 1}
+_ID_PROMPT = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT, {
+    "type": "array", "minItems": 1, "description": "a list of prompts: choice k * n + i is choice i of prompt k",
+    "items": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT]}}]}, "logprobs": _param(_PARAMS["logprobs"]),
+    "echo": {"type": "boolean",
+             "description": "the prompt (and, with logprobs, its tokens' logprobs) before the completion; with "
+                            "max_tokens=0 the prompt alone; not with stream"}}
+_TOKENIZE = {"oneOf": [
+    {"type": "object", "required": ["prompt"], "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
+    {"type": "object", "required": ["messages"], "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "add_generation_prompt": {"type": "boolean"}, "tools": {"type": "array", "items": _TOOL},
+        "chat_template_kwargs": _TEMPLATE_KWARGS}}]}
+_DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
+    "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}
@@ -92,6 +143,15 @@ def _resume_op() -> dict[str, Any]:
                                   **errors}}}
 
 
+def _post_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}}
+              for code, text in (("400", "invalid body, or token ids outside the vocabulary"),
+                                 ("401", "bad or missing API key"), ("404", "unknown model"))}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
+            "application/json": {}}}, **errors}}}
+
+
 def _get_op(summary: str, content_type: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}}
 
@@ -100,10 +160,14 @@ def _with_server_caps(properties: dict[str, Any], model_name: str, config: Gatew
     """The request fields as this server takes them: its model, and its caps on top of SamplingParams'."""
     capped = {**properties, "model": {"enum": [model_name]}, "n": {**properties["n"], "maximum": config.max_n},
               "best_of": {**properties["best_of"], "maximum": config.max_n},
+              "logit_bias": {**properties["logit_bias"], "maxProperties": config.max_logit_bias},
               "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}, {
                   "type": "array", "maxItems": config.max_stop_strings,
                   "items": {"type": "string", "minLength": 1, "maxLength": config.max_stop_string_len}}]}}
-    for name in ("logprobs", "top_logprobs"):
+    if "echo" in properties:  # completions: a list of prompts is capped
+        listed = properties["prompt"]["oneOf"][2]
+        capped["prompt"] = {"oneOf": [*properties["prompt"]["oneOf"][:2], {**listed, "maxItems": config.max_prompts}]}
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         if properties.get(name, {}).get("type") == "integer":
             capped[name] = {**properties[name], "maximum": min(properties[name]["maximum"], config.max_logprobs)}
     return capped
@@ -122,6 +186,9 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
             "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"]),
             "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"]),
             "/v1/streams/{request_id}": _resume_op(),
+            "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template", _TOKENIZE,
+                                  "{tokens, count, max_model_len}"),
+            "/detokenize": _post_op("The text of token ids", _DETOKENIZE, "{prompt}"),
             "/v1/models": _get_op("The served model"),
             "/health": _get_op("Process alive (no API key needed)"),
             "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),

@@ -8,50 +8,45 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from engine.field_specs import value_type
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputParams
 
 from service.config import GatewayConfig
+from service.errors import APIError
+from service.tools import ToolRequest, parse_tool_request
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-                503: "service_unavailable_error"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
 # SamplingParams fields read by hand below (caps, aliases, chat's boolean logprobs); a body sets every
 # other one under its own name, with its type and default.
-_BY_HAND = {"n", "max_tokens", "logprobs", "stop_token_ids", "early_stopping"}
+_BY_HAND = {"n", "max_tokens", "logprobs", "stop_token_ids", "early_stopping", "structured_output", "logit_bias",
+            "prompt_logprobs"}
 EARLY_STOPPING = (True, False, "never")  # transformers' values (a bool or a string on the wire)
 # Fields that exist in the OpenAI API and are read below; anything else is logged and ignored.
-_COMMON = set(_PARAMS) | {"model", "stream", "stream_options", "stop", "include_stop_str_in_output",
-                          "skip_special_tokens", "user", "logit_bias", "cache_salt"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                   "tools", "tool_choice", "functions", "response_format"}
+# Where a structured output can come from (OpenAI's response_format, vLLM's guided_* and structured_outputs):
+# at most one per request.
+SO_SOURCES = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
+_COMMON = (set(_PARAMS) - {"structured_output"}) | {
+    "model", "stream", "stream_options", "stop", "include_stop_str_in_output", "skip_special_tokens", "user",
+    "cache_salt", "logit_bias", "prompt_logprobs", *SO_SOURCES}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
+                   "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+MAX_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
 MAX_JSON_DEPTH = 32  # a chat body needs 4 (body, messages, message, content parts)
-
-
-class APIError(Exception):
-    """An error the client sees as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code}}
 
 
 @dataclass(slots=True)
@@ -61,9 +56,17 @@ class GenerationRequest:
     chat: bool
     model: str
     params: SamplingParams
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    # Completions: every prompt of the body, one engine request each; ``prompt`` is the one this request runs.
+    prompts: list[str | list[int]] = field(default_factory=list)
     prompt: str | list[int] = ""
     add_generation_prompt: bool = True
+    tools: ToolRequest | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    echo: bool = False
+    echo_only: bool = False  # max_tokens=0 with echo: the engine's one token is not part of the answer
+    prompt_logprobs: int | None = None  # vLLM's extra, as asked (params.prompt_logprobs may be more, for echo)
+    structured_output_param: str | None = None  # the field it came from, for a 400's param
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -71,6 +74,43 @@ class GenerationRequest:
     include_usage: bool = False
     want_logprobs: bool = False
     cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+
+    model: str | None
+    prompt: str = ""
+    add_special_tokens: bool = True
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    tools: ToolRequest | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _require_object(body)
+    req = TokenizeRequest(_get(body, "model", str, None))
+    if "messages" in body:
+        req.messages = _parse_messages(body["messages"])
+        req.add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
+        req.tools = parse_tool_request(body)
+        req.chat_template_kwargs = _parse_template_kwargs(body.get("chat_template_kwargs"))
+        return req
+    req.prompt = _get(body, "prompt", str, None)
+    if req.prompt is None:
+        raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+    req.add_special_tokens = _get(body, "add_special_tokens", bool, True)
+    return req
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
+    body = _require_object(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+    return _get(body, "model", str, None), tokens
 
 
 def parse_json(raw: bytes) -> Any:
@@ -110,13 +150,7 @@ def _nested_deeper(value: Any, limit: int) -> bool:
 def parse_chat(body: Any, config: GatewayConfig) -> GenerationRequest:
     body = _require_object(body)
     _log_unknown(body, _CHAT)
-    _reject_unsupported(body)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(400, f"'{name}' is not supported by this server", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    tools = parse_tool_request(body)
     want = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int, None)
     if top is not None and not want:
@@ -124,28 +158,33 @@ def parse_chat(body: Any, config: GatewayConfig) -> GenerationRequest:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     max_tokens = _get(body, "max_tokens", int, None) if max_tokens is None else max_tokens
     request = _parse_common(body, config, chat=True, max_tokens=max_tokens,
-                            logprobs=(top or 0) if want else None)
+                            logprobs=(top or 0) if want else None, tools=tools)
     request.messages = _parse_messages(body.get("messages"))
     request.add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
+    request.chat_template_kwargs = _parse_template_kwargs(body.get("chat_template_kwargs"))
     return request
 
 
 def parse_completion(body: Any, config: GatewayConfig) -> GenerationRequest:
     body = _require_object(body)
     _log_unknown(body, _COMPLETION)
-    _reject_unsupported(body)
-    if _get(body, "echo", bool, False):
-        raise APIError(400, "echo is not supported by this server", param="echo")
     if _get(body, "suffix", str, None):
         raise APIError(400, "suffix is not supported by this server", param="suffix")
-    request = _parse_common(body, config, chat=False, max_tokens=_read(body, _PARAMS["max_tokens"]),
-                            logprobs=_get(body, "logprobs", int, None))
-    request.prompt = _parse_prompt(body.get("prompt"))
+    echo = _get(body, "echo", bool, False)
+    if echo and _get(body, "stream", bool, False):
+        raise APIError(400, "echo cannot be streamed by this server (use stream=false)", param="echo")
+    max_tokens = _read(body, _PARAMS["max_tokens"])
+    echo_only = echo and max_tokens == 0  # vLLM's scoring request: the prompt's logprobs, nothing generated
+    request = _parse_common(body, config, chat=False, max_tokens=1 if echo_only else max_tokens,
+                            logprobs=_get(body, "logprobs", int, None), echo=echo)
+    request.echo, request.echo_only = echo, echo_only
+    request.prompts = _parse_prompts(body.get("prompt"), config)
+    request.prompt = request.prompts[0]
     return request
 
 
 def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_tokens: int | None,
-                  logprobs: int | None) -> GenerationRequest:
+                  logprobs: int | None, tools: ToolRequest | None = None, echo: bool = False) -> GenerationRequest:
     model = _get(body, "model", str, None)
     if model is None:
         raise APIError(400, "'model' is required", param="model")
@@ -157,16 +196,28 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
     if best_of is not None:
         _check_cap("best_of", best_of, config.max_n)
     stream = _get(body, "stream", bool, False)
-    if stream and _read(body, _PARAMS["use_beam_search"]):
+    beam = _read(body, _PARAMS["use_beam_search"])
+    if stream and beam:
         raise APIError(400, "beam search returns its beams once it is over: it cannot be streamed "
                             "(use_beam_search needs stream=false)", param="use_beam_search")
+    so, so_param = _parse_structured_output(body, tools)
+    prompt_logprobs = _get(body, "prompt_logprobs", int, None)
+    if prompt_logprobs is not None:
+        _check_cap("prompt_logprobs", prompt_logprobs, config.max_logprobs)
+    extras = {"structured_output": so, "logit_bias": _parse_logit_bias(body.get("logit_bias"), config),
+              # echo with logprobs reports the prompt's tokens too: the engine computes the larger of the two
+              "prompt_logprobs": max(prompt_logprobs or 0, logprobs) if echo and logprobs is not None
+              else prompt_logprobs}
+    if beam and (used := next((name for name, v in extras.items() if v is not None), None)):
+        raise APIError(400, f"{so_param or used} is not supported with use_beam_search", param=so_param or used)
     return GenerationRequest(
-        chat=chat, model=model, stream=stream, params=_sampling_params(body, n, max_tokens, logprobs),
+        chat=chat, model=model, stream=stream, params=_sampling_params(body, n, max_tokens, logprobs, extras),
         stop=_parse_stop(body.get("stop"), config),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
-        want_logprobs=logprobs is not None, cache_salt=_parse_cache_salt(body))
+        want_logprobs=logprobs is not None, cache_salt=_parse_cache_salt(body), tools=tools,
+        prompt_logprobs=prompt_logprobs, structured_output_param=so_param)
 
 
 def _parse_cache_salt(body: dict[str, Any]) -> str | None:
@@ -176,7 +227,8 @@ def _parse_cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
-def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logprobs: int | None,
+                     extras: dict[str, Any]) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
@@ -185,7 +237,7 @@ def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logpr
         fields_read["temperature"] = 0.0  # beam search scores the raw distribution unless asked otherwise
     try:
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=stop_ids,
-                              early_stopping=_parse_early_stopping(body), **fields_read)
+                              early_stopping=_parse_early_stopping(body), **extras, **fields_read)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name if name in body else None) from exc
@@ -200,18 +252,20 @@ def _parse_early_stopping(body: dict[str, Any]) -> bool | str:
     return value
 
 
-def _parse_messages(messages: Any) -> list[dict[str, str]]:
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
     return [_parse_message(i, m) for i, m in enumerate(messages)]
 
 
-def _parse_message(i: int, message: Any) -> dict[str, str]:
+def _parse_message(i: int, message: Any) -> dict[str, Any]:
+    """A message as transformers' chat templates take it: text content (None becomes ""), an assistant's
+    tool_calls with their arguments as dicts, a tool result's tool_call_id, and any message's name."""
     param = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
         raise APIError(400, f"{param} must be an object with a role in {sorted(ROLES)}", param=param)
-    content = message.get("content")
-    if content is None and message["role"] == "assistant":
+    role, content = message["role"], message.get("content")
+    if content is None and (role == "assistant" or message.get("tool_calls")):
         content = ""
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -220,18 +274,163 @@ def _parse_message(i: int, message: Any) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise APIError(400, f"{param}.content must be a string or a list of text parts", param=param)
-    return {"role": message["role"], "content": content}
+    parsed: dict[str, Any] = {"role": role, "content": content}
+    for name in ("name", "tool_call_id"):
+        if (value := message.get(name)) is not None:
+            if not isinstance(value, str):
+                raise APIError(400, f"{param}.{name} must be a string", param=param)
+            parsed[name] = value
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise APIError(400, f"{param}: only assistant messages carry tool_calls", param=param)
+        parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], param)
+    return parsed
 
 
-def _parse_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise APIError(400, "'prompt' must be a non-empty string or list of token ids "
-                        "(batches of several prompts are not supported)", param="prompt")
+def _parse_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError(400, f"{param}.tool_calls must be a list", param=param)
+    return [_parse_tool_call(call, f"{param}.tool_calls[{j}]", param) for j, call in enumerate(calls)]
+
+
+def _parse_tool_call(call: Any, where: str, param: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise APIError(400, f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                       param=param)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):  # OpenAI sends JSON text; the Qwen and Llama templates iterate a dict
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments is not valid JSON", param=param) from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object", param=param)
+    parsed = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        parsed["id"] = call["id"]
+    return parsed
+
+
+def _parse_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if reserved := sorted(_TEMPLATE_ARGS & kwargs.keys()):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    return kwargs
+
+
+def _parse_prompts(prompt: Any, config: GatewayConfig) -> list[str | list[int]]:
+    """A prompt (text or token ids), or a list of them: one engine request each."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(batch) > config.max_prompts:
+        raise APIError(400, f"'prompt' lists {len(batch)} prompts, this server takes at most {config.max_prompts} "
+                            "per request", param="prompt")
+    if not all(_is_prompt(p) for p in batch):
+        raise APIError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
+                            "those", param="prompt")
+    return batch
+
+
+def _is_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt)
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+
+
+def _parse_structured_output(body: dict[str, Any],
+                             tools: ToolRequest | None) -> tuple[StructuredOutputParams | None, str | None]:
+    """The one structured output the body asks for (with the field it came from), or a forced tool call's."""
+    given = [name for name in SO_SOURCES if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of {', '.join(given)}", param=given[1])
+    so = tools.structured_output() if tools is not None else None
+    if not given:
+        return so, "tool_choice" if so is not None else None
+    name = given[0]
+    try:
+        own = _SO_READERS[name](body[name])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"{name}: {exc}", param=name) from None
+    if own is not None and so is not None:
+        raise APIError(400, f"{name} cannot be combined with a forced tool call (tool_choice)", param=name)
+    return (own, name) if own is not None else (so, "tool_choice" if so is not None else None)
+
+
+def _json_text(schema: Any) -> str:
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object (or its JSON text)")
+    return json.dumps(schema)
+
+
+def _response_format(fmt: Any) -> StructuredOutputParams | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True)
+    if kind != "json_schema":
+        raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+    spec_ = fmt.get("json_schema")
+    if not isinstance(spec_, dict) or not isinstance(spec_.get("name", ""), str):
+        raise ValueError("json_schema must be an object {name, schema, strict, description}")
+    schema = spec_.get("schema")
+    # OpenAI's default for a schema-less json_schema is any JSON object.
+    return StructuredOutputParams(json_object=True) if schema is None else StructuredOutputParams(json=_json_text(schema))
+
+
+def _structured_outputs(value: Any) -> StructuredOutputParams:
+    """vLLM's ``structured_outputs`` object: one of json, regex, choice, grammar, json_object."""
+    if not isinstance(value, dict):
+        raise ValueError("must be an object with one of json, regex, choice, grammar, json_object")
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    if unknown := sorted(k for k, v in value.items() if k not in known and v not in (None, False)):
+        raise ValueError(f"unsupported keys {', '.join(unknown)}")
+    given = {k: v for k, v in value.items() if k in known and v is not None}
+    if "json" in given:
+        given["json"] = _json_text(given["json"])
+    return StructuredOutputParams(**given)
+
+
+def _typed(kind: type, what: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise ValueError(f"must be {what}")
+        return value
+    return check
+
+
+_SO_READERS: dict[str, Callable[[Any], StructuredOutputParams | None]] = {
+    "response_format": _response_format,
+    "guided_json": lambda v: StructuredOutputParams(json=_json_text(v)),
+    "guided_regex": lambda v: StructuredOutputParams(regex=_typed(str, "a string")(v)),
+    "guided_choice": lambda v: StructuredOutputParams(choice=_typed(list, "a list of strings")(v)),
+    "guided_grammar": lambda v: StructuredOutputParams(grammar=_typed(str, "a string")(v)),
+    "structured_outputs": _structured_outputs,
+}
+
+
+def _parse_logit_bias(bias: Any, config: GatewayConfig) -> dict[int, float] | None:
+    """OpenAI's map of token ids (as strings) to a bias in [-100, 100]; the ids are checked against the
+    vocabulary once the tokenizer is at hand."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise APIError(400, "logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    _check_cap("logit_bias", len(bias), config.max_logit_bias)
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id", param="logit_bias")
+        if type(value) not in (int, float) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias values must be numbers in [-100, 100], got {str(value)[:20]}",
+                           param="logit_bias")
+        parsed[int(key)] = float(value)
+    return parsed
 
 
 def _parse_stop(stop: Any, config: GatewayConfig) -> list[str]:
@@ -252,11 +451,6 @@ def _parse_stream_options(options: Any, stream: bool) -> bool:
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", param="stream_options")
     return _get(options, "include_usage", bool, False)
-
-
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    if body.get("logit_bias"):
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:

@@ -5,6 +5,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.outputs import TokenLogprobs
+
 from service.assembler import ChoiceUpdate
 
 
@@ -12,6 +14,35 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sum_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return usage(*(sum(p[key] for p in parts) for key in ("prompt_tokens", "completion_tokens")),
+                 sum(p["prompt_tokens_details"]["cached_tokens"] for p in parts))
+
+
+def merge_prompts(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The responses of a list of prompts as one (OpenAI's): choice i of prompt k is choice k * n + i."""
+    for k, body in enumerate(bodies):
+        for choice in body["choices"]:
+            choice["index"] += k * n
+    return {**bodies[0], "choices": [c for body in bodies for c in body["choices"]],
+            "usage": sum_usage([body["usage"] for body in bodies])}
+
+
+def prepend_echo(choice: dict[str, Any], prompt_text: str, prompt_logprobs: dict[str, Any] | None,
+                 echo_only: bool) -> None:
+    """``echo``: the prompt's text (and its tokens' logprobs) before the choice's; with max_tokens=0
+    (``echo_only``) the prompt's alone."""
+    text, logprobs = ("", None) if echo_only else (choice["text"], choice["logprobs"])
+    choice["text"] = prompt_text + text
+    if prompt_logprobs is not None:
+        tail = logprobs or {key: [] for key in prompt_logprobs}
+        offset = len(prompt_text)
+        choice["logprobs"] = {key: prompt_logprobs[key] + ([o + offset for o in tail[key]] if key == "text_offset"
+                                                           else tail[key]) for key in prompt_logprobs}
+    if echo_only:
+        choice["finish_reason"] = "length"
 
 
 def envelope(request_id: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -32,9 +63,25 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, message: dict[str, Any], logprobs: dict[str, Any] | None,
+                finish_reason: str | None) -> dict[str, Any]:
+    """``message``: content, and maybe reasoning_content and tool_calls (then an empty content is null)."""
+    if message.get("tool_calls") and not message["content"]:
+        message = {**message, "content": None}
+    return {"index": index, "message": {"role": "assistant", **message}, "logprobs": logprobs,
+            "finish_reason": chat_finish_reason(finish_reason, bool(message.get("tool_calls")))}
+
+
+def chat_delta_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+                      finish_reason: str | None, called: bool) -> dict[str, Any]:
+    """A stream chunk's choice with a parsed delta (reasoning_content, content or tool_calls parts)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": chat_finish_reason(finish_reason, called)}
+
+
+def chat_finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that called tools and stopped by itself (not at max_tokens)."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class LogprobFormatter:
@@ -64,6 +111,36 @@ class LogprobFormatter:
             body["text_offset"].append(text_offset)
             text_offset += len(token)
         return body
+
+    def prompt_completion(self, prompt_ids: list[int], entries: list[TokenLogprobs | None]) -> dict[str, Any]:
+        """The prompt's tokens in the completions shape (echo with logprobs): the first token, which nothing
+        predicts, has a null logprob, as do tokens the engine sent no logprob for."""
+        body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, entry in zip(prompt_ids, entries):
+            token = self._text(token_id)
+            body["tokens"].append(token)
+            body["token_logprobs"].append(None if entry is None else entry[0][1])
+            top = None if entry is None or not self._top_n else {self._text(t): lp for t, lp in entry[1:1 + self._top_n]}
+            body["top_logprobs"].append(top)
+            body["text_offset"].append(offset)
+            offset += len(token)
+        return body
+
+    def prompt_logprobs(self, entries: list[TokenLogprobs | None], top_n: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob, rank, decoded_token}}``, the
+        token itself and the top ``top_n`` (ranked 1, 2, ...; the token's own rank only when among them)."""
+        listed: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                listed.append(None)
+                continue
+            (token_id, logprob), *top = entry
+            ranks = {t: rank for rank, (t, _) in enumerate(top[:top_n], 1)}
+            pairs = [(token_id, logprob), *top[:top_n]]
+            listed.append({str(t): {"logprob": lp, "decoded_token": self._text(t)} | (
+                {"rank": ranks[t]} if t in ranks else {}) for t, lp in pairs})
+        return listed
 
     @staticmethod
     def merge_completion(parts: list[dict[str, Any]]) -> dict[str, Any] | None:

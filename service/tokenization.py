@@ -2,6 +2,8 @@
 detokenization and stop strings. The engine never sees text."""
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # Tokens of prompt context decoded with each new window, so tokenizers that
@@ -14,13 +16,16 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Render with the tokenizer's chat template. ValueError without one."""
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render with the tokenizer's chat template (``tools`` and the kwargs, e.g. enable_thinking, reach the
+    template as transformers passes them). ValueError without one."""
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
     # The template writes BOS itself where the model wants one.
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -389,7 +389,7 @@ class Worker:
         if msg.model != self.model_name:  # the per-model request streams keep this from happening
             return self._counted(run, EventKind.ERROR, finished=True, status=404,
                                  error=f"this engine serves {self.model_name!r}, not {msg.model!r}")
-        try:
+        try:  # a map of another release, or values the gateway let through: a 400 for this request alone
             params = SamplingParams(**msg.params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt,
                                     resume=_resume_state(run, params))
@@ -478,7 +478,7 @@ class Worker:
         run.num_cached_tokens = out.num_cached_tokens
         run.next_index += 1
         return run.handle, output_row(out.request_id, run.next_index - 1, out.outputs, out.finished,
-                                      out.num_cached_tokens)
+                                      out.num_cached_tokens, out.prompt_logprobs)
 
     def _fail_all(self, error: str, status: int) -> Published:
         """Every owned request ends with an error event, even if the engine cannot abort them (a broken step)."""

@@ -41,7 +41,7 @@ from engine.baselines import ContiguousKVCacheManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_config import SchedulerConfig
-from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
@@ -98,12 +98,7 @@ class Scheduler:
         its n choices with their output tokens, each WAITING or finished, as after a recompute preemption.
         A resumed choice whose tokens already meet its stop condition finishes here; a group left with
         nothing to run is not queued."""
-        if group.request_id in self._groups:
-            raise ValueError(f"duplicate request id {group.request_id!r}")
-        self._check_new(group)
-        if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
-            raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
-                             f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
+        self.check_new(group)
         if group.params.use_beam_search:
             group.beam = beam_search.BeamState.for_request(
                 group.params, group.seqs[0].num_prompt_tokens, self.eos_token_ids, self.config.max_model_len)
@@ -115,8 +110,13 @@ class Scheduler:
             self._groups[group.request_id] = group
             self.waiting.append(group)
 
-    @staticmethod
-    def _check_new(group: SequenceGroup) -> None:
+    def check_new(self, group: SequenceGroup) -> None:
+        """ValueError when ``add_group`` would refuse ``group`` (the engine asks before a grammar compiles)."""
+        if group.request_id in self._groups:
+            raise ValueError(f"duplicate request id {group.request_id!r}")
+        if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
+            raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
+                             f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
         seqs, n = group.seqs, group.params.n
         if len(seqs) not in (1, n) or any(s.status not in _NEW_STATUSES for s in seqs):
             raise ValueError("a new group must hold one WAITING sequence, or (resumed) its n choices, "
@@ -403,7 +403,9 @@ class Scheduler:
         bs = self.config.block_size
         admissions, plan, left = [], [], budget
         for seq in seqs:
-            hits = self.kv.find_cached_prefix(seq.token_ids, group.cache_salt)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hits then (vLLM's rule too).
+            hits = [] if wants_prompt_logprobs(group, seq) else self.kv.find_cached_prefix(seq.token_ids,
+                                                                                          group.cache_salt)
             start = len(hits) * bs
             num_new = self._chunk(seq.num_tokens - start, left)
             admissions.append(Admission(hits, start + num_new, self._size(group, seq)))

@@ -27,6 +27,21 @@ class ScheduledSeq:
     block_table: list[int] = field(default_factory=list)
     forks: tuple[Sequence, ...] = ()
 
+    def prompt_logprob_positions(self) -> range:
+        """This chunk's positions whose logits score the next prompt token (``SamplingParams.prompt_logprobs``):
+        position p gives prompt token p + 1's logprob. Usually empty."""
+        end = min(self.start + self.num_new_tokens, self.seq.num_prompt_tokens - 1)
+        if self.start >= end or not wants_prompt_logprobs(self.group, self.seq):
+            return range(0)
+        return range(self.start, end)
+
+
+def wants_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
+    """Whether ``seq``'s prefill computes its request's prompt logprobs: the request asked, this is its first
+    choice and it has no output yet. They go out once, with the first output: a re-prefill after tokens were
+    sampled (recompute preemption, or a resumed request that had delivered tokens) does not compute them again."""
+    return group.params.prompt_logprobs is not None and seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

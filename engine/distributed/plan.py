@@ -11,7 +11,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.model_runner import Batch, StepPlan
 
 # kind, payload length, then _Header's counts; kind 0 tells the workers to stop.
-_HEADER_LEN = 12
+_HEADER_LEN = 13
 _STOP, _STEP = 0, 1
 
 
@@ -41,14 +41,14 @@ def _encode(plan: StepPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
     if plan is None:
         return header, header[:0]
     parts = [plan.swap_out, plan.swap_in, plan.copies]
-    counts = [len(plan.swap_out), len(plan.swap_in), len(plan.copies), 0, 0, 0, 0, 0, 0, 0]
+    counts = [len(plan.swap_out), len(plan.swap_in), len(plan.copies), 0, 0, 0, 0, 0, 0, 0, 0]
     b = plan.batch
     if b is not None:
         m = b.meta
         parts += [b.input_ids, b.positions, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
-                  b.sample_rows]
+                  b.sample_rows, b.prompt_rows]
         counts[3:] = [1, len(b.input_ids), len(m.seq_lens), m.block_tables.shape[1], len(b.sample_rows),
-                      m.max_query_len, m.max_seq_len]
+                      m.max_query_len, m.max_seq_len, len(b.prompt_rows)]
     payload = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
     header[0], header[1] = _STEP, payload.numel()
     header[2:] = torch.tensor(counts)
@@ -56,16 +56,16 @@ def _encode(plan: StepPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decode(h: list[int], payload: torch.Tensor) -> StepPlan:
-    n_out, n_in, n_copy, has_batch, tokens, seqs, width, samples, max_query_len, max_seq_len = h[2:]
+    n_out, n_in, n_copy, has_batch, tokens, seqs, width, samples, max_query_len, max_seq_len, prompt_rows = h[2:]
     sizes = [2 * n_out, 2 * n_in, 2 * n_copy]
     if has_batch:
-        sizes += [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, samples]
+        sizes += [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, samples, prompt_rows]
     parts = payload.split(sizes)
     swap_out, swap_in, copies = (p.view(-1, 2) for p in parts[:3])
     batch = None
     if has_batch:
-        ids, positions, slots, tables, seq_lens, qsl, sample_rows = parts[3:]
+        ids, positions, slots, tables, seq_lens, qsl, sample_rows, prompt_row_ids = parts[3:]
         meta = AttentionMetadata(slots, tables.view(seqs, width).to(torch.int32), seq_lens.to(torch.int32),
                                  qsl.to(torch.int32), max_query_len, max_seq_len)
-        batch = Batch(ids, positions, meta, sample_rows)
+        batch = Batch(ids, positions, meta, sample_rows, prompt_rows=prompt_row_ids)  # targets: rank 0's only
     return StepPlan(swap_out, swap_in, copies, batch)

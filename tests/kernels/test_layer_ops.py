@@ -111,3 +111,37 @@ def test_row_argmax_matches_torch(ext_ops, device, rows, n):
     strided = torch.cat([x, x], dim=1)[:, n:]
     assert torch.equal(ext_ops.row_argmax(strided), x.argmax(dim=-1))
     assert torch.equal(ext_ops.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, words", [(32000, 1000), (37, 2), (40, 1)])  # (40, 1): tokens past the bitmask
+def test_apply_token_bitmask_matches_xgrammar(ext_ops, device, dtype, n, words):
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(n)
+    bitmask = torch.randint(-2**31, 2**31, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = 0  # nothing allowed
+    bitmask[1, : words // 2] = -1  # all allowed
+    logits = randn(6, n, seed=n, dtype=dtype, device=device)
+    rows = torch.tensor([4, 0, 2])
+    expected = logits.float().cpu()
+    masked = torch.zeros(3, n)
+    masked[:, : min(n, 32 * words)] = expected[rows, : min(n, 32 * words)]
+    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    masked[:, 32 * words:] = float("-inf")
+    expected[rows] = masked
+    for apply in (ext_ops.apply_token_bitmask, reference.apply_token_bitmask):
+        out = logits.clone()
+        apply(out, bitmask, rows)
+        assert torch.equal(out.float().cpu(), expected)
+    strided = torch.cat([logits, logits], dim=1)[:, n:]
+    ext_ops.apply_token_bitmask(strided, bitmask, rows)
+    assert torch.equal(strided.float().cpu(), expected)
+
+
+def test_apply_token_bitmask_rejects_bad_rows(ext_ops):
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext_ops.apply_token_bitmask(torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="int32"):
+        ext_ops.apply_token_bitmask(torch.zeros(2, 32), torch.zeros(1, 1), torch.tensor([0]))

@@ -11,7 +11,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -33,7 +33,7 @@ MODEL_NAME = "pagedserve-demo"
 API_KEY = "test-key-123"
 START_TIMEOUT_S = 120
 ENGINE = EngineConfig(num_device_blocks=96, max_num_seqs=8, num_threads=1, attention_backend="torch")
-WORKER_FLAGS = [*config_argv(ENGINE), "--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
+HEARTBEAT_FLAGS = ["--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
 
 
 def get_json(url: str, api_key: str | None = API_KEY) -> tuple[int, dict]:
@@ -56,12 +56,12 @@ def engine_stats(**figures: float) -> EngineStats:
     return EngineStats(**{f.name: 0 for f in fields(EngineStats)} | figures)
 
 
-def local_stack(model: str, num_workers: int, num_gateways: int) -> LocalStack:
+def local_stack(model: str, num_workers: int, num_gateways: int, engine: EngineConfig = ENGINE) -> LocalStack:
     """Workers (engine ids w0, w1, ...) and gateways on the demo model; the API key in the environment."""
     stack = LocalStack(env={"PAGEDSERVE_API_KEY": API_KEY}, cwd=ROOT)
     common = ["--model", model, "--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
     for i in range(num_workers):
-        stack.add_worker([*common, *WORKER_FLAGS, "--engine-id", f"w{i}"])
+        stack.add_worker([*common, *config_argv(engine), *HEARTBEAT_FLAGS, "--engine-id", f"w{i}"])
     for _ in range(num_gateways):
         stack.add_gateway(common)
     return stack
@@ -88,6 +88,16 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def stack(demo_model: str) -> Iterator[LocalStack]:
     """Two gateways and two workers on their own Redis, shared by the end-to-end tests."""
     with local_stack(demo_model, num_workers=2, num_gateways=2) as stack:
+        stack.wait_ready(START_TIMEOUT_S)
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def roomy_stack(demo_model: str) -> Iterator[LocalStack]:
+    """One gateway and one worker whose KV pool holds several long requests at once (the structured-output
+    and tools tests: a tools listing alone is ~700 tokens of the byte-level demo tokenizer)."""
+    roomy = replace(ENGINE, num_device_blocks=512)
+    with local_stack(demo_model, num_workers=1, num_gateways=1, engine=roomy) as stack:
         stack.wait_ready(START_TIMEOUT_S)
         yield stack
 

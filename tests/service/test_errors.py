@@ -50,6 +50,11 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"), ({"stop_token_ids": [10**6]},
                                                                             "stop_token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"seed": -1}, "seed"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"response_format": {"type": "yaml"}}, "response_format"), ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"), ({"chat_template_kwargs": [1]},
+                                                                       "chat_template_kwargs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_invalid_parameters_are_400(stack: LocalStack, change: dict, param: str) -> None:
     status, body = asyncio.run(call(f"{stack.url}/v1/chat/completions", {**CHAT, **change}))

@@ -32,7 +32,7 @@ def tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     encode_prompt, encode_chat = gateway_module.encode_prompt, gateway_module.encode_chat
     monkeypatch.setattr(gateway_module, "encode_prompt", lambda tok, p: seen.append(p) or encode_prompt(tok, p))
     monkeypatch.setattr(gateway_module, "encode_chat",
-                        lambda tok, m, g: seen.append(str(m)) or encode_chat(tok, m, g))
+                        lambda tok, m, *rest: seen.append(str(m)) or encode_chat(tok, m, *rest))
     return seen
 
 

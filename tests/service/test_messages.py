@@ -73,10 +73,10 @@ def test_a_reply_batch_round_trips_as_arrays() -> None:
     assert back.events[0][1].index == CONTROL_INDEX
 
 
-@pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], False, 0, None, 500]],  # unknown kind
-                                    [["r1", 0, ["output"], [], False, 0, None, 500]],  # a kind not a string
-                                    [["r1", 0, "output", [], False, 0, None]],  # a field missing
-                                    [["r1", 0, "output", [[0, [1]]], False, 0, None, 500]],  # a choice short
+@pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], False, 0, None, 500, None]],  # unknown kind
+                                    [["r1", 0, ["output"], [], False, 0, None, 500, None]],  # a kind not a string
+                                    [["r1", 0, "output", [], False, 0, None, 500]],  # a field missing
+                                    [["r1", 0, "output", [[0, [1]]], False, 0, None, 500, None]],  # a choice short
                                     "not a list"])
 def test_malformed_batches_are_schema_errors(events: object) -> None:
     payload = msgpack.packb({"v": SCHEMA_VERSION, "engine_id": "e", "incarnation": "i", "events": events})

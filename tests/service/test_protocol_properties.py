@@ -21,7 +21,10 @@ FIELDS = [f.name for f in fields(SamplingParams)] + [
     "model", "stream", "stream_options", "stop", "include_stop_str_in_output", "skip_special_tokens", "user",
     "best_of", "use_beam_search", "logit_bias", "cache_salt", "messages", "max_completion_tokens", "top_logprobs",
     "add_generation_prompt", "tools", "tool_choice", "functions", "response_format", "prompt", "echo", "suffix",
-    "role", "content", "type", "text", "include_usage"]
+    "role", "content", "type", "text", "include_usage", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "json_schema", "schema", "json", "regex", "choice", "grammar",
+    "json_object", "prompt_logprobs", "chat_template_kwargs", "tool_calls", "tool_call_id", "name", "function",
+    "arguments", "parallel_tool_calls"]
 NUMBERS = st.one_of(st.integers(), st.floats(allow_nan=True), st.sampled_from(
     [0, 1, -1, 2, 2**63 - 1, 2**63, 2**64, -2**63 - 1, 10**400, -10**400, 0.5, 2.0, 1e308, -0.0]))
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=20), st.sampled_from(["user", "text", "m"]))
@@ -32,7 +35,8 @@ PARTS = st.lists(st.fixed_dictionaries({}, optional={"type": st.sampled_from(["t
                                                      "text": st.text(max_size=10) | VALUES}), max_size=3)
 MESSAGES = st.lists(st.fixed_dictionaries({}, optional={
     "role": st.sampled_from(["user", "assistant", "system", "wizard"]) | VALUES,
-    "content": st.text(max_size=10) | PARTS | VALUES}), max_size=3) | VALUES
+    "content": st.text(max_size=10) | PARTS | VALUES, "tool_calls": VALUES, "tool_call_id": st.text(max_size=5) | VALUES}),
+    max_size=3) | VALUES
 # Mostly well-formed envelopes (so parsing gets past the first checks), with any value in any field.
 BODIES = st.fixed_dictionaries({"model": st.just("m") | VALUES, "messages": MESSAGES,
                                 "prompt": st.text(min_size=1, max_size=10) | st.lists(NUMBERS, max_size=3) | VALUES},

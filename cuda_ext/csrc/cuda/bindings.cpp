@@ -134,6 +134,19 @@ at::Tensor row_argmax_cuda(const at::Tensor& x) {
   return at::argmax(x, -1);
 }
 
+// The bitmask and rows come from the host (xgrammar fills the bitmask there): rows are range-checked before the
+// copy, a device tensor of rows is trusted (checking it would sync).
+void apply_token_bitmask_cuda(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_token_bitmask(logits, bitmask, rows);
+  if (rows.is_cpu()) check_row_range(rows.contiguous().data_ptr<int64_t>(), rows.size(0), logits.size(0));
+  const c10::DeviceGuard guard(logits.device());
+  const auto words = bitmask.to(logits.device(), /*non_blocking=*/true).contiguous();
+  const auto targets = rows.to(logits.device(), /*non_blocking=*/true).contiguous();
+  const cuda::TokenBitmaskArgs args{logits.data_ptr(), words.data_ptr<int32_t>(), targets.data_ptr<int64_t>(),
+                                    targets.size(0), logits.size(1), logits.stride(0), words.size(1)};
+  check_cuda(cuda::apply_token_bitmask(args, dtype_of(logits), current_stream(logits.device())), "apply_token_bitmask");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
@@ -145,6 +158,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("rotary_embedding", &rotary_embedding_cuda);
   m.impl("silu_and_mul", &silu_and_mul_cuda);
   m.impl("row_argmax", &row_argmax_cuda);
+  m.impl("apply_token_bitmask", &apply_token_bitmask_cuda);
 }
 
 }  // namespace pagedserve

@@ -58,11 +58,18 @@ struct SiluAndMulArgs {
   int64_t rows, x_stride, d;
 };
 
+struct TokenBitmaskArgs {
+  void* logits;
+  const int32_t* bitmask;  // dense [k, num_words], on the device
+  const int64_t* rows;     // [k], on the device
+  int64_t k, n, stride, num_words;
+};
 cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
 cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t apply_token_bitmask(const TokenBitmaskArgs& args, Dtype dtype, cudaStream_t stream);
 
 }  // namespace pagedserve::cuda

@@ -1,0 +1,242 @@
+"""Tool calls found in a model's text, by the format its chat template teaches it.
+
+A parser's ``split(text, start, final)`` cuts what it can already decide of ``text`` into pieces (content
+strings and ``ToolCall``s) and says how many characters those took; the rest waits for more text. Only
+``ToolCallStream`` drives it, both for streaming and for the whole text at once (``extract``), so a
+streamed response and a non-streamed one cannot disagree. A call whose JSON is bad, or whose tag never
+closes, stays plain content.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolParser(Protocol):
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]: ...
+
+
+def _call(obj: Any, args_key: str) -> ToolCall | None:
+    """{"name": ..., args_key: {...}} as a call; None when it is not that shape."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, {})
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _named_call(name: str, arguments: str) -> ToolCall | None:
+    """A call of ``name`` whose arguments are the JSON object ``arguments``; None when they are not one."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return None
+    return _call({"name": name, "arguments": args}, "arguments") if name else None
+
+
+def _json_calls(text: str, args_key: str, separator: str = "") -> list[ToolCall] | None:
+    """Every JSON object (or list of them) in ``text``, separated by ``separator``; None unless all are calls."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            obj, i = decoder.raw_decode(text, _skip_space(text, i))
+        except ValueError:
+            return None
+        found = [_call(o, args_key) for o in (obj if isinstance(obj, list) else [obj])]
+        if not found or None in found:
+            return None
+        calls += found
+        i = _skip_space(text, i)
+        if i == len(text):
+            return calls
+        if not separator or not text.startswith(separator, i):
+            return None
+        i += len(separator)
+
+
+def _skip_space(text: str, i: int) -> int:
+    return len(text) - len(text[i:].lstrip())
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that could be the start of ``tag``."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+class HermesParser:
+    """Qwen2.5 / Qwen3 / Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, any
+    number of them, with content around."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        pieces: list[Any] = []
+        i = 0
+        while (begin := text.find(self.OPEN, i)) >= 0:
+            pieces.append(text[i:begin])
+            end = text.find(self.CLOSE, begin)
+            if end < 0:  # still open: the call waits for its end, or is content if it never comes
+                return (pieces + [text[begin:]], len(text)) if final else (pieces, begin)
+            i = end + len(self.CLOSE)
+            calls = _json_calls(text[begin + len(self.OPEN):end], "arguments")
+            pieces += calls if calls and len(calls) == 1 else [text[begin:i]]
+        held = 0 if final else _partial_tag(text[i:], self.OPEN)
+        return pieces + [text[i:len(text) - held]], len(text) - held
+
+
+class Llama3JsonParser:
+    """Llama 3.1 / 3.2: the whole message is ``{"name": ..., "parameters": {...}}`` (several separated by
+    ``;``), maybe after ``<|python_tag|>``; anything else is content."""
+
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        head = text.lstrip()
+        if not (start and (head.startswith(("{", self.TAG)) or self.TAG.startswith(head))):
+            return [text], len(text)
+        if not final:  # JSON until proven otherwise: only the end says whether it parses
+            return [], 0
+        body = head.removeprefix(self.TAG)
+        calls = _json_calls(body, "parameters", ";") or _json_calls(body, "arguments", ";")
+        return (calls or [text]), len(text)
+
+
+class MistralParser:
+    """Mistral: content, then ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or (newer
+    templates) ``[TOOL_CALLS]name[ARGS]{...}`` repeated, up to the end."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        begin = text.find(self.TAG)
+        if begin < 0:
+            held = 0 if final else _partial_tag(text, self.TAG)
+            return [text[:len(text) - held]], len(text) - held
+        if not final:
+            return [text[:begin]], begin
+        calls = self._calls(text[begin:])
+        return [text[:begin], *(calls or [text[begin:]])], len(text)
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        for part in text.split(self.TAG)[1:]:
+            name, sep, args = part.partition(self.ARGS)
+            found = [_named_call(name.strip(), args)] if sep else _json_calls(part, "arguments")
+            if not found or None in found:
+                return None
+            calls += found
+        return calls
+
+
+class ForcedCallParser:
+    """The output of a forced call (tool_choice "required" or a named function): the grammar's JSON,
+    whatever the model's own format, known only once it ends."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name  # the named function's; None: a list of {"name", "parameters"}
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        if not final:
+            return [], 0
+        calls = _json_calls(text, "parameters") if self.name is None else [_named_call(self.name, text)]
+        return (calls if calls and None not in calls else [text]), len(text)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+def call_id(seed: str, index: int) -> str:
+    """OpenAI's shape ("call_" + 24 alphanumerics), derived from the request and position: a resumed stream
+    replays the same ids."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return "call_" + "".join(_ALPHABET[b % len(_ALPHABET)] for b in digest[:24])
+
+
+class ToolCallStream:
+    """Feeds a parser text deltas; gives OpenAI delta parts: {"content": ...} and, per call, a
+    {"tool_calls": [{index, id, type, function: {name, arguments: ""}}]} then its arguments. Whitespace
+    next to a call is not content."""
+
+    def __init__(self, parser: ToolParser, seed: str) -> None:
+        self.parser, self.seed = parser, seed
+        self.num_calls = 0
+        self._text = ""  # what the parser has not decided yet
+        self._start = True  # nothing decided yet
+        self._space = ""  # trailing whitespace of the content: dropped if a call follows
+        self._after_call = False
+
+    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        self._text += text
+        pieces, used = self.parser.split(self._text, self._start, final)
+        self._text = self._text[used:]
+        self._start = self._start and used == 0
+        deltas = [d for p in pieces for d in (self._call(p) if isinstance(p, ToolCall) else self._content(p))]
+        if final and self._space and not self.num_calls:
+            deltas.append({"content": self._space})
+        return deltas
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return [{"content": body}] if body else []
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        self._space, self._after_call = "", True
+        head = {"index": index, "id": call_id(self.seed, index), "type": "function",
+                "function": {"name": call.name, "arguments": ""}}
+        return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+
+
+def extract(parser: ToolParser, text: str, seed: str = "") -> tuple[str | None, list[dict[str, Any]]]:
+    """The whole text's content (None when empty) and OpenAI tool_calls, from the same stream."""
+    message = merge(ToolCallStream(parser, seed).feed(text, final=True))
+    return message["content"] or None, message.get("tool_calls", [])
+
+
+def merge(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Delta parts put together, as a client does: {"content", "reasoning_content"?, "tool_calls"?}."""
+    message: dict[str, Any] = {"content": ""}
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for key in ("content", "reasoning_content"):
+            if key in delta:
+                message[key] = message.get(key, "") + delta[key]
+        for part in delta.get("tool_calls", ()):
+            if "id" in part:
+                calls.append({"id": part["id"], "type": "function", "function": dict(part["function"])})
+            else:
+                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    return message | ({"tool_calls": calls} if calls else {})
+
+
+class MessageStream:
+    """A chat choice's text as OpenAI delta parts: its reasoning ({"reasoning_content"}), then its answer,
+    in which the tool parser (when there is one) finds the calls."""
+
+    def __init__(self, tools: ToolCallStream | None, reasoning: Any | None) -> None:
+        self.tools, self.reasoning = tools, reasoning  # reasoning: a service.reasoning.ReasoningStream
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
+
+    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning is not None else ("", text)
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        if self.tools is not None:
+            return deltas + self.tools.feed(content, final)
+        return deltas + ([{"content": content}] if content else [])

@@ -1,0 +1,33 @@
+"""The structured-output benchmark's smoke run: its report's fields, and every constrained output checked against
+the schema by jsonschema here."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+
+def test_smoke_run_reports_and_every_output_validates(tmp_path):
+    from loadtest.bench_structured import SCHEMA, main
+
+    path = tmp_path / "report.json"
+    summary = main(["--num-requests", "4", "--repeats", "1", "--max-tokens", "128", "--backend", "torch",
+                    "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["summary"] == summary and report["schema"] == SCHEMA
+    assert summary["num_constrained_outputs"] == summary["num_valid"] == 4 and summary["all_valid"]
+    assert summary["finish_reasons"] == {"stop": 4}  # each ended where its grammar completed, not at the cap
+    # The twins generated exactly their constrained runs' lengths.
+    assert summary["constrained_mean_output_len"] == summary["unconstrained_mean_output_len"] > 0
+    assert summary["constrained_tok_s"] > 0 and summary["unconstrained_tok_s"] > 0
+    assert summary["ratio"] == pytest.approx(summary["constrained_tok_s"] / summary["unconstrained_tok_s"], rel=0.01)
+    assert summary["mask_fill_steps"] > 0 and summary["mask_fill_ms_per_step"] > 0 and summary["compile_s"] > 0
+    (constrained,) = report["runs"]["constrained"]
+    assert len(constrained["texts"]) == 4
+    for text in constrained["texts"]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    (unconstrained,) = report["runs"]["unconstrained"]
+    assert unconstrained["tokens"] == constrained["tokens"] and unconstrained["mask_fill_steps"] == 0

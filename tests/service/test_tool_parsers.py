@@ -1,0 +1,123 @@
+"""Tool-call parsers on canned model texts: whole-text extraction, and streamed deltas (fed one character
+at a time and in random chunks) that reassemble to the same message."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from service.reasoning import ReasoningStream
+from service.tool_parsers import (PARSERS, ForcedCallParser, HermesParser, Llama3JsonParser, MessageStream,
+                                  MistralParser, ToolCallStream, call_id, extract, merge)
+
+H = '<tool_call>\n{{"name": "{0}", "arguments": {1}}}\n</tool_call>'
+CASES = [  # parser, text, expected content, expected [(name, arguments)]
+    (HermesParser, "Plain answer, no calls.", "Plain answer, no calls.", []),
+    (HermesParser, H.format("get_weather", '{"city": "Zürich"}'), None, [("get_weather", {"city": "Zürich"})]),
+    (HermesParser, "Let me check.\n" + H.format("a", "{}") + "\n" + H.format("b", '{"x": [1, 2]}'),
+     "Let me check.", [("a", {}), ("b", {"x": [1, 2]})]),
+    (HermesParser, H.format("a", "{}") + "\nDone 🎉", "Done 🎉", [("a", {})]),
+    (HermesParser, "<tool_call>\n{bad json}\n</tool_call>", "<tool_call>\n{bad json}\n</tool_call>", []),
+    (HermesParser, "text <tool_call>\n{\"name\": \"a\"", "text <tool_call>\n{\"name\": \"a\"", []),  # unterminated
+    (HermesParser, "a < b and <tool", "a < b and <tool", []),
+    (HermesParser, '<tool_call>{"name": "a", "arguments": "not an object"}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": "not an object"}</tool_call>', []),
+    (Llama3JsonParser, '{"name": "search", "parameters": {"q": "日本"}}', None, [("search", {"q": "日本"})]),
+    (Llama3JsonParser, '<|python_tag|>{"name": "a", "parameters": {"s": "x;y"}}; {"name": "b", "parameters": {}}',
+     None, [("a", {"s": "x;y"}), ("b", {})]),
+    (Llama3JsonParser, "Hello {not json", "Hello {not json", []),
+    (Llama3JsonParser, '{"name": "a", "parameters": {}} trailing', '{"name": "a", "parameters": {}} trailing', []),
+    (Llama3JsonParser, "{oops", "{oops", []),
+    (MistralParser, 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"n": 1}}, {"name": "b", "arguments": {}}]',
+     "Sure.", [("a", {"n": 1}), ("b", {})]),
+    (MistralParser, '[TOOL_CALLS]a[ARGS]{"n": 1}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"n": 1}), ("b", {})]),
+    (MistralParser, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    (MistralParser, "ends with [TOOL", "ends with [TOOL", []),
+]
+
+
+def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_extract(parser: type, text: str, content: str | None, calls: list) -> None:
+    got_content, got_calls = extract(parser(), text, "seed")
+    assert got_content == content
+    assert _calls(got_calls) == calls
+    assert all(re.fullmatch(r"call_[a-zA-Z0-9]{24}", c["id"]) for c in got_calls)
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
+
+
+def _streamed(parser: type, pieces: list[str]) -> tuple[list[dict], dict]:
+    stream = ToolCallStream(parser(), "seed")
+    deltas = [d for k, p in enumerate(pieces) for d in stream.feed(p, final=k == len(pieces) - 1)]
+    return deltas, merge(deltas)
+
+
+def _chunks(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_stream_matches_extract(parser: type, text: str, content: str | None, calls: list) -> None:
+    whole = merge(ToolCallStream(parser(), "seed").feed(text, final=True))
+    rng = random.Random(0)
+    for pieces in [list(text) + [""], *[_chunks(text, rng) + [""] for _ in range(30)]]:
+        deltas, message = _streamed(parser, pieces)
+        assert message == whole
+        for d in deltas:  # a call's head first (with empty arguments), then its arguments
+            assert d.keys() <= {"content", "tool_calls"} and all(v for v in d.values())
+    for cut in range(len(text) + 1):  # split at every position
+        assert _streamed(parser, [text[:cut], text[cut:]])[1] == whole
+
+
+def test_partial_tag_is_held_back() -> None:
+    stream = ToolCallStream(HermesParser(), "s")
+    assert stream.feed("Hi <tool_") == [{"content": "Hi"}]  # the space could precede a call: held too
+    assert stream.feed("x") == [{"content": " <tool_x"}]
+
+
+def test_call_head_then_arguments() -> None:
+    deltas = ToolCallStream(HermesParser(), "s").feed(H.format("f", '{"a": 1}'), final=True)
+    assert deltas == [{"tool_calls": [{"index": 0, "id": call_id("s", 0), "type": "function",
+                                       "function": {"name": "f", "arguments": ""}}]},
+                      {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}]
+
+
+def test_ids_are_stable_per_seed() -> None:
+    assert call_id("r:0", 1) == call_id("r:0", 1) != call_id("r:1", 1)
+
+
+@pytest.mark.parametrize("name, text, calls", [
+    (None, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', [("a", {"x": 1}), ("b", {})]),
+    ("f", '{"x": "ü"}', [("f", {"x": "ü"})]),
+])
+def test_forced_call(name: str | None, text: str, calls: list) -> None:
+    content, got = extract(ForcedCallParser(name), text)
+    assert content is None and _calls(got) == calls
+    stream = ToolCallStream(ForcedCallParser(name), "")
+    assert [d for ch in text for d in stream.feed(ch)] == []  # known only at the end
+    assert _calls(merge(stream.feed("", final=True))["tool_calls"]) == calls
+
+
+def test_forced_call_cut_short_is_content() -> None:
+    assert extract(ForcedCallParser("f"), '{"x": ') == ('{"x": ', [])
+
+
+def test_registry() -> None:
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+
+
+def test_reasoning_then_tool_calls() -> None:
+    """Calls are parsed from the answer only: a <tool_call> inside the reasoning is reasoning."""
+    text = "<think>maybe <tool_call>{}</tool_call>?</think>\n\nOK.\n" + H.format("f", "{}")
+    whole = merge(MessageStream(ToolCallStream(HermesParser(), "s"), ReasoningStream("qwen3")).feed(text, True))
+    assert whole["reasoning_content"] == "maybe <tool_call>{}</tool_call>?"
+    assert whole["content"] == "OK." and _calls(whole["tool_calls"]) == [("f", {})]
+    stream = MessageStream(ToolCallStream(HermesParser(), "s"), ReasoningStream("qwen3"))
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
+    assert merge(deltas) == whole
