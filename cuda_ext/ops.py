@@ -22,7 +22,7 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
     fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax, structured output's
-    apply_token_bitmask (signatures in cuda_ext.reference), and
+    apply_token_bitmask and masked_row_argmax (signatures in cuda_ext.reference), and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
     F.linear;
     llama_decoder_layer: a whole Llama-family layer on packed weights in one call (CPU), or None."""
@@ -36,6 +36,7 @@ class KernelOps:
     silu_and_mul: Callable[..., torch.Tensor]
     row_argmax: Callable[[torch.Tensor], torch.Tensor]
     apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    masked_row_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     pack_linear: Callable[..., PackedLinear | None]
     llama_decoder_layer: Callable[..., torch.Tensor] | None
 
@@ -61,6 +62,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         silu_and_mul=module.silu_and_mul,
         row_argmax=module.row_argmax,
         apply_token_bitmask=module.apply_token_bitmask,
+        masked_row_argmax=module.masked_row_argmax,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
         llama_decoder_layer=module.llama_decoder_layer if backend == "ext" else None,
     )

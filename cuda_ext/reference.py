@@ -120,6 +120,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     logits[targets] = logits[targets].masked_fill(~allowed, float("-inf"))
 
 
+def masked_row_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``row_argmax`` of each masked row ``logits[rows[i]]`` under ``apply_token_bitmask``'s mask, int64 [k]."""
+    masked = logits[rows.to(logits.device)]
+    apply_token_bitmask(masked, bitmask, torch.arange(len(rows)))
+    return row_argmax(masked)
+
+
 def pack_linear_weight(weight: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """[out, in] -> panels of ``panel`` output columns, zero-padded past ``out``. fp32:
     [ceil(out / panel), in, panel], panel p holding columns [p * panel, (p + 1) * panel) as

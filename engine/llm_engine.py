@@ -25,7 +25,7 @@ from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
-from engine.structured_output import StructuredOutputManager, check_structured_output
+from engine.structured_output import StructuredOutputManager, TokenMask, check_structured_output
 
 # The longest structured_output spec (schema / regex / grammar text) the engine compiles.
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 20
@@ -44,15 +44,14 @@ class LLMEngine:
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops.row_argmax)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops)
         self._groups: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         # Resumed requests with choices finished on arrival (their stop condition already met): reported next step.
         self._resumed_ends: dict[str, tuple[SequenceGroup, list[Sequence]]] = {}
         # The prompt logprobs of requests that asked, filled in as their prefill chunks run (entry 0 is None).
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-        self.grammar = StructuredOutputManager(self._tokenizer_info, config.max_grammar_bytes,
-                                               self.runner.ops.apply_token_bitmask)
+        self.grammar = StructuredOutputManager(self._tokenizer_info, config.max_grammar_bytes)
         # Requests whose grammar compiles on the manager's pool, in arrival order; then their compiled grammar.
         self._pending: deque[tuple[SequenceGroup, ResumeState | None, Future]] = deque()
         self._grammars: dict[str, object] = {}
@@ -241,8 +240,8 @@ class LLMEngine:
         if len(samples) != len(logits):  # forks draw several tokens from one row
             logits = logits.select([row for row, _, _ in samples])
         seqs = [seq for _, _, seq in samples]
-        constrain = self._constrain(seqs, samples) if self._grammars else None
-        return self.sampler(logits.values, seqs, [s.group.params for _, s, _ in samples], logits.argmax, constrain)
+        mask = self._constrain(samples) if self._grammars else None
+        return self.sampler(logits.values, seqs, [s.group.params for _, s, _ in samples], logits.argmax, mask)
 
     # ---- structured output ------------------------------------------------
     def _tokenizer_info(self):
@@ -253,9 +252,10 @@ class LLMEngine:
         return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.config.model_config.vocab_size,
                                                        stop_token_ids=sorted(self.eos_token_ids) or None)
 
-    def _constrain(self, seqs: list[Sequence], samples: list[tuple[int, ScheduledSeq, Sequence]]):
+    def _constrain(self, samples: list[tuple[int, ScheduledSeq, Sequence]]) -> TokenMask | None:
         """The mask of the constrained rows, synced to their sequences' tokens (a matcher whose count
-        differs, after preemption, a failed step, resume or a fork, is rebuilt from the tokens)."""
+        differs, after preemption, a failed step, resume or a fork, is rebuilt from the tokens). A row whose
+        grammar allows nothing draws a placeholder (token 0), and ``_advance_grammars`` fails its choice."""
         rows, matchers = [], []
         for i, (_, s, seq) in enumerate(samples):
             compiled = self._grammars.get(s.group.request_id)
@@ -266,12 +266,10 @@ class LLMEngine:
                     matchers.append(m)
         if not rows:
             return None
-
-        def constrain(logits: torch.Tensor) -> None:
-            for i in self.grammar.fill_mask(logits, rows, matchers):  # no token allowed: the choice ends
-                logits[i, 0] = 0.0  # a placeholder draw; _advance_grammars fails the choice
-                matchers[rows.index(i)].consumed = -1
-        return constrain
+        mask, dead = self.grammar.fill_mask(rows, matchers, self.config.model_config.vocab_size)
+        for i in dead:
+            matchers[rows.index(i)].consumed = -1
+        return mask
 
     def _advance_grammars(self, samples: list[tuple[int, ScheduledSeq, Sequence]]) -> None:
         """Feed each constrained choice its new token: a completed grammar stops it, a token the

@@ -1,16 +1,16 @@
 """Next-token selection for a batch of sequences, vectorised over the batch."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from cuda_ext import reference
+from cuda_ext import KernelOps, load_ops
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured_output import TokenMask
 
 _MASK64 = (1 << 63) - 1
 
@@ -32,34 +32,48 @@ class Sampler:
     """
 
     def __init__(self, eos_token_ids: set[int], seed: int, device: torch.device | str = "cpu",
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = reference.row_argmax) -> None:
+                 ops: KernelOps | None = None) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = torch.Generator(device).manual_seed(seed)
-        # Row-wise argmax, torch.argmax's result (KernelOps.row_argmax: the compiled one is ~10x faster on CPU).
-        self.argmax = argmax
+        # row_argmax (the compiled one is ~10x torch's on CPU) and the grammar mask's ops; default the reference.
+        self.ops = ops or load_ops("torch")
 
     def __call__(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],
-                 argmax: torch.Tensor | None = None,
-                 constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+                 argmax: torch.Tensor | None = None, mask: TokenMask | None = None) -> SamplerOutput:
         """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM).
         No ``logits``: every row is ``SamplingParams.argmax_only`` and the LM head gave the argmax alone.
-        ``constrain``: masks the constrained rows of (a copy of) the logits in place (structured output)."""
+        ``mask``: the structured-output rows' allowed tokens."""
         if logits is None:
             return SamplerOutput(argmax.tolist(), [None] * len(params))
         raw = logits
         logits = _bias(logits, params)
         logits = self._penalize(logits, seqs, params)
         logits = self._mask_early_stops(logits, seqs, params)
-        if constrain is not None:
-            logits = logits.clone() if logits is raw else logits
-            constrain(logits)  # a masked row's argmax is then recomputed below: ``logits is raw`` is False
-        greedy_tokens = argmax if argmax is not None and logits is raw else self.argmax(logits)
+        greedy_tokens = argmax if argmax is not None and logits is raw else self.ops.row_argmax(logits)
+        if mask is not None:
+            logits, greedy_tokens = self._constrain(logits, raw, greedy_tokens, params, mask)
         if all(p.greedy for p in params):  # the common case: one argmax, one host copy, no per-row Python
             tokens = greedy_tokens
         else:
             tokens = self._sample(logits, seqs, params, greedy_tokens)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, tokens, token_ids, params))
+
+    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor, greedy_tokens: torch.Tensor,
+                   params: list[SamplingParams], mask: TokenMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy constrained rows take the argmax over their allowed tokens, reading only those (no pass over
+        the logits); sampled ones get -inf over the forbidden tokens (on a copy: ``raw`` feeds the logprobs)."""
+        rows, greedy = torch.tensor(mask.rows), torch.tensor([params[r].greedy for r in mask.rows])
+        if bool(greedy.all()):  # the common case: no row copies of the bitmask
+            greedy_tokens = greedy_tokens.clone()
+            greedy_tokens[rows] = self.ops.masked_row_argmax(logits, mask.bitmask, rows)
+            return logits, greedy_tokens
+        if bool(greedy.any()):
+            greedy_tokens = greedy_tokens.clone()
+            greedy_tokens[rows[greedy]] = self.ops.masked_row_argmax(logits, mask.bitmask[greedy], rows[greedy])
+        logits = logits.clone() if logits is raw else logits
+        self.ops.apply_token_bitmask(logits, mask.bitmask[~greedy], rows[~greedy])
+        return logits, greedy_tokens
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params)

@@ -146,22 +146,20 @@ inline void check_silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must be [num_tokens, 2 * d], got ", x.sizes());
 }
 
-// Structured output's mask: logits [rows, n] (dense last dim), xgrammar's int32 bitmask [k, words] and
-// the k logits rows it masks (int64). Row indices are range-checked by the caller where they live on the host.
-inline void check_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
-  check_rows(logits, "apply_token_bitmask", "logits");
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt,
-              "apply_token_bitmask: bitmask must be int32 [rows, words], got ", bitmask.scalar_type(), " ",
-              bitmask.sizes());
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
-              "apply_token_bitmask: rows must be int64 [", bitmask.size(0), "], got ", rows.scalar_type(), " ",
-              rows.sizes());
+// Structured output's masks: logits [rows, n] (dense last dim), xgrammar's int32 bitmask [k, words] and the k
+// logits rows it masks (int64). Row indices are range-checked (check_row_range) where they live on the host.
+inline void check_token_bitmask(const char* op, const at::Tensor& logits, const at::Tensor& bitmask,
+                                const at::Tensor& rows) {
+  check_rows(logits, op, "logits");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt, op, ": bitmask must be int32 [rows, words], got ",
+              bitmask.scalar_type(), " ", bitmask.sizes());
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0), op,
+              ": rows must be int64 [", bitmask.size(0), "], got ", rows.scalar_type(), " ", rows.sizes());
 }
 
-inline void check_row_range(const int64_t* rows, int64_t k, int64_t num_rows) {
+inline void check_row_range(const char* op, const int64_t* rows, int64_t k, int64_t num_rows) {
   for (int64_t i = 0; i < k; ++i)
-    TORCH_CHECK(rows[i] >= 0 && rows[i] < num_rows, "apply_token_bitmask: row ", rows[i], " out of range [0, ",
-                num_rows, ")");
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < num_rows, op, ": row ", rows[i], " out of range [0, ", num_rows, ")");
 }
 
 }  // namespace pagedserve

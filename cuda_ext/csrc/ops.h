@@ -39,6 +39,7 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 at::Tensor row_argmax_cpu(const at::Tensor& x);
 void apply_token_bitmask_cpu(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
+at::Tensor masked_row_argmax_cpu(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& hidden,
                                    at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& optional,
                                    at::IntArrayRef sizes, const at::Tensor& positions, const at::Tensor& cos,

@@ -17,6 +17,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("masked_row_argmax(Tensor logits, Tensor bitmask, Tensor rows) -> Tensor");
   m.def("llama_decoder_layer(Tensor(a!) residual, Tensor? hidden, Tensor[] weights, Tensor?[] optional, int[] sizes, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
@@ -41,6 +42,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("silu_and_mul", &pagedserve::silu_and_mul_cpu);
   m.impl("row_argmax", &pagedserve::row_argmax_cpu);
   m.impl("apply_token_bitmask", &pagedserve::apply_token_bitmask_cpu);
+  m.impl("masked_row_argmax", &pagedserve::masked_row_argmax_cpu);
   m.impl("llama_decoder_layer", &pagedserve::llama_decoder_layer_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);

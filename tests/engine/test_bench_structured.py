@@ -29,5 +29,8 @@ def test_smoke_run_reports_and_every_output_validates(tmp_path):
     assert len(constrained["texts"]) == 4
     for text in constrained["texts"]:
         jsonschema.validate(json.loads(text), SCHEMA)
-    (unconstrained,) = report["runs"]["unconstrained"]
-    assert unconstrained["tokens"] == constrained["tokens"] and unconstrained["mask_fill_steps"] == 0
+    for mode in ("unconstrained", "unconstrained_full_logits"):
+        (twin,) = report["runs"][mode]
+        assert twin["tokens"] == constrained["tokens"] and twin["mask_fill_steps"] == 0
+    fastest = max(summary["unconstrained_argmax_only_tok_s"], summary["unconstrained_full_logits_tok_s"])
+    assert summary["unconstrained_tok_s"] == fastest  # the baseline at its best

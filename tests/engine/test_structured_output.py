@@ -37,10 +37,11 @@ def path(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def llm(path) -> LLM:
-    return LLM(path, skip_tokenizer_init=True, attention_backend="torch", dtype="float32", num_device_blocks=256,
-               show_progress=False)
+@pytest.fixture(scope="module", params=["torch", "ext"])
+def llm(path, request) -> LLM:
+    """Both backends: the reference's mask ops and the compiled ones (masked_row_argmax, apply_token_bitmask)."""
+    return LLM(path, skip_tokenizer_init=True, attention_backend=request.param, dtype="float32",
+               num_device_blocks=256, show_progress=False)
 
 
 def text(ids: list[int]) -> str:
@@ -209,6 +210,30 @@ def test_engine_rejects_bad_spec_and_keeps_serving(llm):
     with pytest.raises(ValueError, match="regex"):
         llm.engine.add_request("bad", [1, 2], SamplingParams(structured_output={"regex": "(unclosed"}))
     assert run(llm, {"choice": ["a", "b"]}, temperature=0.0)[0].outputs[0].finish_reason == "stop"
+
+
+def test_sampler_masks_greedy_and_sampled_rows_alike_on_both_backends():
+    """Rows 0 and 2 constrained (one greedy, one sampled, seeded), row 1 free: the compiled ops give the
+    reference's tokens, every constrained token is allowed, and the logprobs stay the raw model's."""
+    import cuda_ext
+    from engine.structured_output import TokenMask
+
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    allowed = [[3, 50, 77], None, [9, 10, 11, 12, 99]]
+    bitmask = torch.zeros(2, 4, dtype=torch.int32)
+    for i, ids in enumerate(a for a in allowed if a):
+        for t in ids:
+            bitmask[i, t // 32] |= 1 << (t % 32)  # bit 31 wraps to the sign bit, as in xgrammar's int32 words
+    mask = TokenMask([0, 2], bitmask)
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=5)]
+    seqs = [Sequence([1, 2], 2, index=i) for i in range(3)]
+    outs = [Sampler(set(), 0, ops=cuda_ext.load_ops(b))(logits, seqs, params, mask=mask) for b in ("torch", "ext")]
+    assert outs[0].token_ids == outs[1].token_ids
+    tokens = outs[0].token_ids
+    assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t]) and tokens[2] in allowed[2]
+    assert tokens[1] == logits[1].argmax()
+    assert outs[0].logprobs[0][0] == (tokens[0], pytest.approx(logits[0].log_softmax(-1)[tokens[0]].item()))
 
 
 def test_bounded_strings_refuse_control_characters():

@@ -136,8 +136,31 @@ def test_apply_token_bitmask_matches_xgrammar(ext_ops, device, dtype, n, words):
         apply(out, bitmask, rows)
         assert torch.equal(out.float().cpu(), expected)
     strided = torch.cat([logits, logits], dim=1)[:, n:]
+    assert torch.equal(ext_ops.masked_row_argmax(strided, bitmask, rows).cpu(), expected[rows].argmax(dim=-1))
+    assert torch.equal(reference.masked_row_argmax(strided, bitmask, rows).cpu(), expected[rows].argmax(dim=-1))
     ext_ops.apply_token_bitmask(strided, bitmask, rows)
     assert torch.equal(strided.float().cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_row_argmax_ties_nans_and_dead_rows(ext_ops, device):
+    """row_argmax's rules on the masked row: the first maximum, the first allowed NaN, 0 when all is -inf."""
+    logits = torch.zeros(5, 70, device=device)
+    logits[0, [5, 40, 69]] = 3.0  # a tie among allowed tokens, and 69 in the bitmask's partial last word
+    logits[1, [3, 50]] = float("nan")  # 3 forbidden, 50 allowed
+    logits[2] = float("-inf")  # allowed tokens all -inf
+    logits[4, [20, 33, 60]] = torch.tensor([5.0, float("nan"), float("nan")])  # NaNs inside fully allowed words
+    bitmask = torch.full((5, 3), -1, dtype=torch.int32)
+    bitmask[0] = torch.tensor([1 << 7, 1 << 8, 1 << 5], dtype=torch.int32)  # tokens 7, 40, 69
+    bitmask[1] = torch.tensor([0, 1 << 18, 0], dtype=torch.int32)  # token 50
+    bitmask[3] = 0  # nothing allowed; rows 2 and 4: everything
+    rows = torch.arange(5)
+    want = torch.tensor([40, 50, 0, 0, 33])
+    masked = logits.clone()
+    reference.apply_token_bitmask(masked, bitmask, rows)
+    assert torch.equal(masked.argmax(dim=-1).cpu(), want)
+    assert torch.equal(ext_ops.masked_row_argmax(logits, bitmask, rows).cpu(), want)
+    assert torch.equal(ext_ops.masked_row_argmax(logits.bfloat16(), bitmask, rows).cpu(), want)
 
 
 def test_apply_token_bitmask_rejects_bad_rows(ext_ops):
@@ -145,3 +168,5 @@ def test_apply_token_bitmask_rejects_bad_rows(ext_ops):
         ext_ops.apply_token_bitmask(torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]))
     with pytest.raises(RuntimeError, match="int32"):
         ext_ops.apply_token_bitmask(torch.zeros(2, 32), torch.zeros(1, 1), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="masked_row_argmax: row -1 out of range"):
+        ext_ops.masked_row_argmax(torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([-1]))

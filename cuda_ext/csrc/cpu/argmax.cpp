@@ -4,50 +4,15 @@
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <cmath>
 
 #include "../ops.h"
 #include "parallel.h"
+#include "row_max.h"
 
 namespace pagedserve {
-namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kW = Vec::size();
-
-float row_max(const float* x, int64_t n) {
-  int64_t i = 0;
-  float m = x[0];
-  if (n >= kW) {
-    Vec acc = Vec::loadu(x);
-    for (i = kW; i + kW <= n; i += kW) acc = at::vec::maximum(acc, Vec::loadu(x + i));  // NaN propagates
-    m = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, acc);
-  }
-  for (; i < n; ++i)
-    if (std::isnan(x[i]) || x[i] > m) m = x[i];
-  return m;
-}
-
-int64_t first_index_of(const float* x, int64_t n, float m) {
-  if (std::isnan(m)) {
-    for (int64_t i = 0; i < n; ++i)
-      if (std::isnan(x[i])) return i;
-  }
-  const Vec target(m);
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    const int equal = ~(Vec::loadu(x + i) == target).zero_mask() & ((1 << kW) - 1);
-    if (equal) return i + __builtin_ctz(equal);
-  }
-  for (; i < n; ++i)
-    if (x[i] == m) return i;
-  return n - 1;  // unreachable: m is one of the row's values
-}
-
-}  // namespace
+using argmax::first_index_of;
+using argmax::row_max;
 
 at::Tensor row_argmax_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "row_argmax: x must be [rows, n > 0], got ", x.sizes());

@@ -136,15 +136,31 @@ at::Tensor row_argmax_cuda(const at::Tensor& x) {
 
 // The bitmask and rows come from the host (xgrammar fills the bitmask there): rows are range-checked before the
 // copy, a device tensor of rows is trusted (checking it would sync).
+cuda::TokenBitmaskArgs token_bitmask_args(const char* op, const at::Tensor& logits, at::Tensor& words,
+                                          at::Tensor& targets) {
+  check_token_bitmask(op, logits, words, targets);
+  if (targets.is_cpu()) check_row_range(op, targets.contiguous().data_ptr<int64_t>(), targets.size(0), logits.size(0));
+  words = words.to(logits.device(), /*non_blocking=*/true).contiguous();
+  targets = targets.to(logits.device(), /*non_blocking=*/true).contiguous();
+  return {logits.data_ptr(), words.data_ptr<int32_t>(), targets.data_ptr<int64_t>(), targets.size(0), logits.size(1),
+          logits.stride(0), words.size(1)};
+}
+
 void apply_token_bitmask_cuda(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
-  check_token_bitmask(logits, bitmask, rows);
-  if (rows.is_cpu()) check_row_range(rows.contiguous().data_ptr<int64_t>(), rows.size(0), logits.size(0));
   const c10::DeviceGuard guard(logits.device());
-  const auto words = bitmask.to(logits.device(), /*non_blocking=*/true).contiguous();
-  const auto targets = rows.to(logits.device(), /*non_blocking=*/true).contiguous();
-  const cuda::TokenBitmaskArgs args{logits.data_ptr(), words.data_ptr<int32_t>(), targets.data_ptr<int64_t>(),
-                                    targets.size(0), logits.size(1), logits.stride(0), words.size(1)};
+  at::Tensor words = bitmask, targets = rows;  // the device copies live until the kernel is queued
+  const auto args = token_bitmask_args("apply_token_bitmask", logits, words, targets);
   check_cuda(cuda::apply_token_bitmask(args, dtype_of(logits), current_stream(logits.device())), "apply_token_bitmask");
+}
+
+at::Tensor masked_row_argmax_cuda(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  const c10::DeviceGuard guard(logits.device());
+  at::Tensor words = bitmask, targets = rows;
+  const auto args = token_bitmask_args("masked_row_argmax", logits, words, targets);
+  auto out = at::empty({targets.size(0)}, logits.options().dtype(at::kLong));
+  check_cuda(cuda::masked_row_argmax(args, out.data_ptr<int64_t>(), dtype_of(logits), current_stream(logits.device())),
+             "masked_row_argmax");
+  return out;
 }
 
 }  // namespace
@@ -159,6 +175,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("silu_and_mul", &silu_and_mul_cuda);
   m.impl("row_argmax", &row_argmax_cuda);
   m.impl("apply_token_bitmask", &apply_token_bitmask_cuda);
+  m.impl("masked_row_argmax", &masked_row_argmax_cuda);
 }
 
 }  // namespace pagedserve

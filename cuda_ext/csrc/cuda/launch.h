@@ -59,7 +59,7 @@ struct SiluAndMulArgs {
 };
 
 struct TokenBitmaskArgs {
-  void* logits;
+  void* logits;  // read only by masked_row_argmax
   const int32_t* bitmask;  // dense [k, num_words], on the device
   const int64_t* rows;     // [k], on the device
   int64_t k, n, stride, num_words;
@@ -71,5 +71,6 @@ cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStre
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t apply_token_bitmask(const TokenBitmaskArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t masked_row_argmax(const TokenBitmaskArgs& args, int64_t* out, Dtype dtype, cudaStream_t stream);
 
 }  // namespace pagedserve::cuda
