@@ -204,6 +204,9 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
     prompt_logprobs = _get(body, "prompt_logprobs", int, None)
     if prompt_logprobs is not None:
         _check_cap("prompt_logprobs", prompt_logprobs, config.max_logprobs)
+        if stream:
+            raise APIError(400, "prompt_logprobs cannot be streamed by this server (use stream=false)",
+                           param="prompt_logprobs")
     extras = {"structured_output": so, "logit_bias": _parse_logit_bias(body.get("logit_bias"), config),
               # echo with logprobs reports the prompt's tokens too: the engine computes the larger of the two
               "prompt_logprobs": max(prompt_logprobs or 0, logprobs) if echo and logprobs is not None

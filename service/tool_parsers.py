@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -137,18 +138,73 @@ class MistralParser:
         return calls
 
 
+@dataclass(slots=True)
+class CallHead:
+    """A call's start, its name known: the stream's next tool call opens with it."""
+
+    name: str
+
+
+@dataclass(slots=True)
+class CallArguments:
+    """More of the open call's arguments (JSON text as generated)."""
+
+    text: str
+
+
+# A "required" call's start up to its arguments (after the previous call's closing brace, if any).
+_REQUIRED_HEAD = re.compile(r'\s*\}?\s*[\[,]?\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"parameters"\s*:\s*')
+
+
 class ForcedCallParser:
-    """The output of a forced call (tool_choice "required" or a named function): the grammar's JSON,
-    whatever the model's own format, known only once it ends."""
+    """The output of a forced call (tool_choice "required" or a named function): the grammar's JSON, whatever
+    the model's own format, streamed as it comes. A named function's output is its arguments; "required"'s
+    is a list of {"name", "parameters"} in that key order (the schema's, which the grammar keeps), so each
+    call opens once its name is read and its arguments stream until their object closes. A call cut short
+    (max_tokens) keeps what it got, as OpenAI's are."""
 
     def __init__(self, name: str | None) -> None:
         self.name = name  # the named function's; None: a list of {"name", "parameters"}
+        self._in_call = False  # a call's head was given and its arguments have not closed
+        self._depth = 0  # nesting inside the open arguments
+        self._string = self._escape = False
 
     def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
-        if not final:
-            return [], 0
-        calls = _json_calls(text, "parameters") if self.name is None else [_named_call(self.name, text)]
-        return (calls if calls and None not in calls else [text]), len(text)
+        if self.name is not None:
+            pieces = [] if self._in_call else [CallHead(self.name)]
+            self._in_call = True
+            return pieces + ([CallArguments(text)] if text else []), len(text)
+        pieces, used = [], 0
+        while used < len(text):
+            if not self._in_call:
+                head = _REQUIRED_HEAD.match(text, used)
+                if head is None:  # the list's end, or a head not complete yet
+                    return pieces, len(text) if final else used
+                pieces.append(CallHead(head.group(1)))
+                used, self._in_call = head.end(), True
+            if self._depth == 0:  # the space before the arguments' opening brace is not theirs
+                used = _skip_space(text, used)
+            taken = self._arguments(text, used)
+            pieces += [CallArguments(text[used:taken])] if taken > used else []
+            used = taken
+        return pieces, used
+
+    def _arguments(self, text: str, i: int) -> int:
+        """Where the open arguments end in ``text`` (after their closing character), or ``len(text)``."""
+        for j in range(i, len(text)):
+            ch = text[j]
+            if self._string:
+                self._escape, self._string = not self._escape and ch == "\\", self._escape or ch != '"'
+            elif ch == '"':
+                self._string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_call = False
+                    return j + 1
+        return len(text)
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
@@ -179,7 +235,7 @@ class ToolCallStream:
         pieces, used = self.parser.split(self._text, self._start, final)
         self._text = self._text[used:]
         self._start = self._start and used == 0
-        deltas = [d for p in pieces for d in (self._call(p) if isinstance(p, ToolCall) else self._content(p))]
+        deltas = [d for p in pieces for d in self._piece(p)]
         if final and self._space and not self.num_calls:
             deltas.append({"content": self._space})
         return deltas
@@ -193,12 +249,23 @@ class ToolCallStream:
         self._space = text[len(body):]
         return [{"content": body}] if body else []
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _piece(self, piece: Any) -> list[dict[str, Any]]:
+        if isinstance(piece, ToolCall):
+            return self._head(piece.name) + self._arguments(piece.arguments)
+        if isinstance(piece, CallHead):
+            return self._head(piece.name)
+        if isinstance(piece, CallArguments):
+            return self._arguments(piece.text)
+        return self._content(piece)
+
+    def _head(self, name: str) -> list[dict[str, Any]]:
         index, self.num_calls = self.num_calls, self.num_calls + 1
         self._space, self._after_call = "", True
-        head = {"index": index, "id": call_id(self.seed, index), "type": "function",
-                "function": {"name": call.name, "arguments": ""}}
-        return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+        return [{"tool_calls": [{"index": index, "id": call_id(self.seed, index), "type": "function",
+                                 "function": {"name": name, "arguments": ""}}]}]
+
+    def _arguments(self, text: str) -> list[dict[str, Any]]:
+        return [{"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}] if text else []
 
 
 def extract(parser: ToolParser, text: str, seed: str = "") -> tuple[str | None, list[dict[str, Any]]]:

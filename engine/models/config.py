@@ -26,6 +26,7 @@ class ModelConfig:
     dtype: torch.dtype  # the checkpoint's own dtype
     eos_token_ids: list[int]
     hf: dict  # the raw config.json, for family-specific fields
+    sliding_window: int | None = None  # the attention window some layer uses; None: full attention everywhere
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -45,7 +46,21 @@ def read_model_config(path: str) -> ModelConfig:
         num_layers=hf["num_hidden_layers"], num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context_length(path, hf),
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
-        eos_token_ids=_eos_ids(path, hf), hf=hf)
+        eos_token_ids=_eos_ids(path, hf), hf=hf, sliding_window=_sliding_window(hf))
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The window of the checkpoint's windowed layers, if it has any: transformers' ``layer_types``, else
+    Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else ``sliding_window`` alone
+    (Mistral)."""
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if isinstance(hf.get("layer_types"), list):
+        return window if "sliding_attention" in hf["layer_types"] else None
+    if "use_sliding_window" in hf:
+        return window if hf["use_sliding_window"] and hf.get("max_window_layers", 0) < hf["num_hidden_layers"] else None
+    return window
 
 
 def context_length(path: str, hf: dict | None = None) -> int:
@@ -56,6 +71,15 @@ def context_length(path: str, hf: dict | None = None) -> int:
         if isinstance(hf.get(key), int):
             return hf[key]
     raise ValueError(f"{path}/config.json names no context length (none of {', '.join(_CONTEXT_KEYS)})")
+
+
+def served_context(path: str) -> int:
+    """The longest context the engine serves by default (its ``max_model_len`` when none is set; the gateway's
+    rule too, which reads no weights): the checkpoint's context, capped at its sliding window when it has one
+    (the paged attention has no window yet, so past it the output would be wrong)."""
+    hf = _read_config_json(path)
+    window = _sliding_window(hf)
+    return min(context_length(path, hf), window) if window is not None else context_length(path, hf)
 
 
 def _read_config_json(path: str) -> dict:

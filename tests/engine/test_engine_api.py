@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
-from engine.models.config import context_length, read_model_config
+from engine.models.config import context_length, read_model_config, served_context
 
 from .conftest import hf_greedy, mixed_prompts
 
@@ -205,6 +205,25 @@ def test_too_long_max_model_len_fails_before_loading_weights(broken_copy):
     os.remove(os.path.join(broken_copy, "model.safetensors"))  # loading would fail differently
     with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds the model's max_position_embeddings"):
         make_engine(broken_copy, max_model_len=4096)
+
+
+@pytest.mark.parametrize("extra, window", [
+    ({"sliding_window": 48}, 48),  # Mistral's: every layer
+    ({"sliding_window": 48, "use_sliding_window": False}, None),  # Qwen2's off switch
+    ({"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 4}, None),  # the demo has 4 layers
+    ({"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 3}, 48),
+    ({"sliding_window": 48, "layer_types": ["sliding_attention", "full_attention"]}, 48),  # transformers' own list
+    ({"sliding_window": None}, None),
+])
+def test_a_windowed_checkpoint_is_served_only_within_its_window(broken_copy, extra, window):
+    """The paged attention has no window yet: a windowed model is capped at its window, never attends past it."""
+    edit_config(broken_copy, **extra)
+    assert read_model_config(broken_copy).sliding_window == window
+    assert make_engine(broken_copy, max_model_len=None).max_model_len == served_context(broken_copy) == (window or 2048)
+    if window is not None:
+        with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the checkpoint's sliding_window=48"):
+            make_engine(broken_copy, max_model_len=64)
+        assert make_engine(broken_copy, max_model_len=32).max_model_len == 32
 
 
 def test_one_context_length_rule(broken_copy):

@@ -120,6 +120,7 @@ def test_echo_and_lm_eval_scoring_request() -> None:
     assert scoring.echo_only and scoring.params.max_tokens == 1
     refused(parse_completion, {**COMPLETION, "max_tokens": 0}, "max_tokens")
     refused(parse_completion, {**COMPLETION, "echo": True, "stream": True}, "echo")
+    refused(parse_completion, {**COMPLETION, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs")
     refused(parse_completion, {**COMPLETION, "suffix": "x"}, "suffix")
 
 

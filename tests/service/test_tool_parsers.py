@@ -94,18 +94,31 @@ def test_ids_are_stable_per_seed() -> None:
 
 @pytest.mark.parametrize("name, text, calls", [
     (None, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', [("a", {"x": 1}), ("b", {})]),
+    (None, '[{"name":"a","parameters":{"s":"}]\\"{","t":[{}]}}]', [("a", {"s": '}]"{', "t": [{}]})]),
     ("f", '{"x": "ü"}', [("f", {"x": "ü"})]),
 ])
-def test_forced_call(name: str | None, text: str, calls: list) -> None:
-    content, got = extract(ForcedCallParser(name), text)
-    assert content is None and _calls(got) == calls
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_forced_call_streams_name_first_then_arguments(name: str | None, text: str, calls: list, step: int) -> None:
+    content, whole = extract(ForcedCallParser(name), text)
+    assert content is None and _calls(whole) == calls
     stream = ToolCallStream(ForcedCallParser(name), "")
-    assert [d for ch in text for d in stream.feed(ch)] == []  # known only at the end
-    assert _calls(merge(stream.feed("", final=True))["tool_calls"]) == calls
+    deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i:i + step])]
+    deltas += stream.feed("", final=True)
+    heads = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
+    assert [h["function"] for h in heads] == [{"name": n, "arguments": ""} for n, _ in calls]
+    assert "id" in deltas[0]["tool_calls"][0]  # the name comes before any argument text
+    if step == 1:  # the arguments arrive as they are generated, not at the end
+        assert sum("id" not in d["tool_calls"][0] for d in deltas) > len(calls)
+    assert merge(deltas)["tool_calls"] == whole  # streamed and whole agree
 
 
-def test_forced_call_cut_short_is_content() -> None:
-    assert extract(ForcedCallParser("f"), '{"x": ') == ('{"x": ', [])
+def test_forced_call_cut_short_keeps_its_partial_arguments() -> None:
+    """As OpenAI's: max_tokens ends the call mid-arguments (finish_reason "length"), the call keeps them."""
+    (call,) = extract(ForcedCallParser("f"), '{"x": ')[1]
+    assert call["function"] == {"name": "f", "arguments": '{"x": '}
+    (call,) = extract(ForcedCallParser(None), '[{"name": "g", "parameters": {"y": [1')[1]
+    assert call["function"] == {"name": "g", "arguments": '{"y": [1'}
+    assert extract(ForcedCallParser(None), '[{"na') == (None, [])
 
 
 def test_registry() -> None:
