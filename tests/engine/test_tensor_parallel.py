@@ -4,6 +4,7 @@ plan's wire format; shapes that do not divide; a rank killed mid-generation ends
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,30 @@ def test_beam_search_matches_tp1(model):
     expected = [[s.token_ids for s in o.sequences] for o in tp1.beam_search(PROMPTS[:3], params)]
     assert [[s.token_ids for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], params)] == expected
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.config.scheduler.num_device_blocks
+
+
+def test_structured_output_matches_tp1(model):
+    """The grammar lives on rank 0 with the sampler: constrained greedy and seeded n = 2 draws under tp = 2
+    are tp = 1's, and every one fits the regex."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    checkpoint, _, llm = model
+    vocab = [chr(c) for c in range(33, 127)]
+    vocab += [f"<x{i}>" for i in range(llm.engine.config.model_config.vocab_size - len(vocab))]
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<x0>"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(checkpoint.path)  # read on first use
+    use_scheduler(llm, enable_prefix_caching=True)
+    pattern = "[a-c][0-9a-f]{30}"
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_output={"regex": pattern}),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=12, structured_output={"regex": pattern})]
+    tp1 = LLM(checkpoint.path, skip_tokenizer_init=True, **ENGINE)
+    for p in params:
+        tp2 = generate(llm, p)
+        assert generate(tp1, p) == tp2
+        for choices in tp2:
+            for tokens in choices:
+                assert re.fullmatch("[a-c][0-9a-f]{11}", "".join(vocab[t] for t in tokens))
 
 
 def test_step_timers_see_rank_0(model):
