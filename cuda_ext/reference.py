@@ -45,12 +45,14 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    sliding_window: int = 0,
 ) -> None:
     """Causal attention of each sequence's query rows over its paged context, into out.
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context
     is seq_lens[b] tokens including those rows, so row i sits at position
-    seq_lens[b] - q_len + i and sees positions [0, that position]. fp32 math.
+    seq_lens[b] - q_len + i and sees positions [0, that position], or with a sliding window
+    the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). fp32 math.
     """
     group = query.shape[1] // key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -63,8 +65,11 @@ def paged_attention(
         q = query[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
         scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        future = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        keys = torch.arange(seq_len, device=query.device)[None, :]
+        hidden = keys > positions[:, None]
+        if sliding_window:
+            hidden |= keys <= positions[:, None] - sliding_window
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[q0:q1] = (probs @ v).transpose(0, 1).to(out.dtype)
 
 

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
 from engine.distributed.parallel_state import TensorParallel
-from engine.models.config import ModelConfig, read_model_config, resolve_dtype, served_context
+from engine.models.config import ModelConfig, read_model_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,10 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     model_config = read_model_config(config.model or ensure_demo_model())
     device = tp.device(config.device)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device.type)
-    max_model_len = _max_model_len(config, model_config)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                         f"({model_config.max_position_embeddings})")
     if config.attention_backend == "ext" and model_config.head_dim not in cuda_ext.HEAD_SIZES:
         raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
@@ -59,26 +62,6 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
                               config.show_progress)
     return resolved, model
-
-
-def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """``config.max_model_len``, by default ``served_context`` (the model's context, capped at its sliding
-    window: the paged attention has no window yet). An explicit one past the window is an error, never
-    silently wrong attention."""
-    context, window = model_config.max_position_embeddings, model_config.sliding_window
-    if not config.max_model_len:
-        if window is not None and window < context:
-            logger.warning("%s attends within a sliding window of %d tokens, not implemented here: max_model_len "
-                           "is capped at %d (exact up to there)", model_config.path, window, window)
-        return served_context(model_config.path)
-    if config.max_model_len > context:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
-                         f"({context})")
-    if window is not None and config.max_model_len > window:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the checkpoint's sliding_window={window}: "
-                         f"sliding-window attention is not implemented yet, so this engine serves such a model up "
-                         f"to its window only (max_model_len <= {window})")
-    return config.max_model_len
 
 
 def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device,

@@ -109,14 +109,14 @@ async def _serve_gateway(config: GatewayConfig) -> None:
     from aiohttp import web
 
     from engine.demo_model import ensure_demo_model
-    from engine.models.config import served_context
+    from engine.models.config import context_length
     from service.redis_gateway import RedisGatewayBroker
     from service.gateway import Gateway
     from service.tokenization import load_tokenizer
 
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)
-    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or served_context(path),
+    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path),
                       RedisGatewayBroker(config))
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()

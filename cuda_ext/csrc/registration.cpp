@@ -9,7 +9,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, int sliding_window=0) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -21,7 +21,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("llama_decoder_layer(Tensor(a!) residual, Tensor? hidden, Tensor[] weights, Tensor?[] optional, int[] sizes, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
-        "float eps, float scale) -> Tensor");
+        "float eps, float scale, int sliding_window=0) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");

@@ -26,7 +26,12 @@ class ModelConfig:
     dtype: torch.dtype  # the checkpoint's own dtype
     eos_token_ids: list[int]
     hf: dict  # the raw config.json, for family-specific fields
-    sliding_window: int | None = None  # the attention window some layer uses; None: full attention everywhere
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: full attention); () = all full
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the checkpoint's windowed layers; None when every layer attends to its whole context."""
+        return max(self.layer_windows, default=0) or None
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -41,26 +46,36 @@ def read_model_config(path: str) -> ModelConfig:
         raise ValueError(f"{path}/config.json: expected exactly one entry in 'architectures', got {archs}")
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
+    context, windows = context_length(path, hf), _layer_windows(path, hf)
+    if max(windows, default=0) > context:
+        raise ValueError(f"{path}/config.json: sliding_window={max(windows)} exceeds the context it slides over "
+                         f"(max_position_embeddings={context})")
     return ModelConfig(
         path=path, architecture=archs[0], vocab_size=hf["vocab_size"], hidden_size=hidden, num_heads=num_heads,
         num_layers=hf["num_hidden_layers"], num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context_length(path, hf),
+        head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context,
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
-        eos_token_ids=_eos_ids(path, hf), hf=hf, sliding_window=_sliding_window(hf))
+        eos_token_ids=_eos_ids(path, hf), hf=hf, layer_windows=windows)
 
 
-def _sliding_window(hf: dict) -> int | None:
-    """The window of the checkpoint's windowed layers, if it has any: transformers' ``layer_types``, else
-    Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else ``sliding_window`` alone
-    (Mistral)."""
-    window = hf.get("sliding_window")
+def _layer_windows(path: str, hf: dict) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers decides it: ``layer_types`` where the config lists them,
+    else Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else ``sliding_window`` on
+    every layer (Mistral)."""
+    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if window is None:
+        return (0,) * layers
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
+        raise ValueError(f"{path}/config.json: sliding_window must be a positive integer or null, got {window!r}")
     if isinstance(hf.get("layer_types"), list):
-        return window if "sliding_attention" in hf["layer_types"] else None
+        if len(hf["layer_types"]) != layers:
+            raise ValueError(f"{path}/config.json: layer_types lists {len(hf['layer_types'])} layers, "
+                             f"num_hidden_layers is {layers}")
+        return tuple(window if kind == "sliding_attention" else 0 for kind in hf["layer_types"])
     if "use_sliding_window" in hf:
-        return window if hf["use_sliding_window"] and hf.get("max_window_layers", 0) < hf["num_hidden_layers"] else None
-    return window
+        first = hf.get("max_window_layers", 0) if hf["use_sliding_window"] else layers
+        return tuple(window if i >= first else 0 for i in range(layers))
+    return (window,) * layers
 
 
 def context_length(path: str, hf: dict | None = None) -> int:
@@ -71,15 +86,6 @@ def context_length(path: str, hf: dict | None = None) -> int:
         if isinstance(hf.get(key), int):
             return hf[key]
     raise ValueError(f"{path}/config.json names no context length (none of {', '.join(_CONTEXT_KEYS)})")
-
-
-def served_context(path: str) -> int:
-    """The longest context the engine serves by default (its ``max_model_len`` when none is set; the gateway's
-    rule too, which reads no weights): the checkpoint's context, capped at its sliding window when it has one
-    (the paged attention has no window yet, so past it the output would be wrong)."""
-    hf = _read_config_json(path)
-    window = _sliding_window(hf)
-    return min(context_length(path, hf), window) if window is not None else context_length(path, hf)
 
 
 def _read_config_json(path: str) -> dict:

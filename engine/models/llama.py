@@ -1,4 +1,5 @@
-"""Llama family decoder: Llama 2/3, Mistral (no sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm)."""
+"""Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm); per-layer
+sliding windows as ``ModelConfig.layer_windows`` gives them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         # This rank's heads: its share of the query heads, and of the KV heads (or one replicated KV head).
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
@@ -32,7 +33,8 @@ class LlamaAttention(nn.Module):
         eps = cfg.hf["rms_norm_eps"]
         self.q_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        window = cfg.layer_windows[layer] if cfg.layer_windows else 0
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, window)
 
     def forward(self, rope: RopeStep, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Heads stay views of the fused projection; rotary runs once over q and k together.
@@ -77,18 +79,19 @@ class FusedLayer:
         a = self.attn
         out = self.op(residual, h, self.weights, self.optional, self.sizes, rope.positions, rope.rotary.cos,
                       rope.rotary.sin, a.k_cache, a.v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                      meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale)
+                      meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale,
+                      a.sliding_window)
         return out, residual
 
 
 class LlamaDecoderLayer(nn.Module):
     fused: FusedLayer | None = None
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, tp)
+        self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = LlamaMLP(cfg, tp)
 
@@ -132,7 +135,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -24,6 +24,13 @@ ARCH_CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**{**COMMON, "num_attention_heads": 4}, num_key_value_heads=2,
                                               intermediate_size=256, head_dim=64,
                                               tie_word_embeddings=False),
+    # Windows shorter than the prompts (up to 70 tokens + 20 new) and than a block: Mistral's on every layer,
+    # Qwen2's from max_window_layers on.
+    "mistral-window": lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                                         sliding_window=12, tie_word_embeddings=False),
+    "qwen2-window": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                                     use_sliding_window=True, sliding_window=24, max_window_layers=1,
+                                                     tie_word_embeddings=True),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
-from engine.models.config import context_length, read_model_config, served_context
+from engine.models.config import context_length, read_model_config
 
 from .conftest import hf_greedy, mixed_prompts
 
@@ -207,23 +207,29 @@ def test_too_long_max_model_len_fails_before_loading_weights(broken_copy):
         make_engine(broken_copy, max_model_len=4096)
 
 
-@pytest.mark.parametrize("extra, window", [
-    ({"sliding_window": 48}, 48),  # Mistral's: every layer
-    ({"sliding_window": 48, "use_sliding_window": False}, None),  # Qwen2's off switch
-    ({"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 4}, None),  # the demo has 4 layers
-    ({"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 3}, 48),
-    ({"sliding_window": 48, "layer_types": ["sliding_attention", "full_attention"]}, 48),  # transformers' own list
-    ({"sliding_window": None}, None),
+@pytest.mark.parametrize("extra, windows", [
+    ({"sliding_window": 48}, (48,) * 4),  # Mistral's: every layer
+    ({"sliding_window": 48, "use_sliding_window": False}, (0,) * 4),  # Qwen2's off switch
+    ({"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 3}, (0, 0, 0, 48)),
+    ({"sliding_window": 48, "layer_types": ["sliding_attention", "full_attention"] * 2}, (48, 0, 48, 0)),
+    ({"sliding_window": None}, (0,) * 4),
 ])
-def test_a_windowed_checkpoint_is_served_only_within_its_window(broken_copy, extra, window):
-    """The paged attention has no window yet: a windowed model is capped at its window, never attends past it."""
+def test_each_layer_gets_the_window_transformers_gives_it(broken_copy, extra, windows):
     edit_config(broken_copy, **extra)
-    assert read_model_config(broken_copy).sliding_window == window
-    assert make_engine(broken_copy, max_model_len=None).max_model_len == served_context(broken_copy) == (window or 2048)
-    if window is not None:
-        with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the checkpoint's sliding_window=48"):
-            make_engine(broken_copy, max_model_len=64)
-        assert make_engine(broken_copy, max_model_len=32).max_model_len == 32
+    assert read_model_config(broken_copy).layer_windows == windows
+    engine = make_engine(broken_copy, max_model_len=None)
+    assert [layer.self_attn.attn.sliding_window for layer in engine.runner.model.model.layers] == list(windows)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"sliding_window": 4096}, r"sliding_window=4096 exceeds the context it slides over \(max_position_embeddings"),
+    ({"sliding_window": -3}, "sliding_window must be a positive integer or null"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "layer_types lists 1 layers"),
+])
+def test_bad_windows_fail_at_load(broken_copy, extra, match):
+    edit_config(broken_copy, **extra)
+    with pytest.raises(ValueError, match=match):
+        make_engine(broken_copy)
 
 
 def test_one_context_length_rule(broken_copy):

@@ -21,11 +21,11 @@ def dtypes_for(device: str) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
 
 
-def run_both(ext_ops, batch):
+def run_both(ext_ops, batch, sliding_window: int = 0):
     out = torch.full_like(batch.query, float("nan")).contiguous()
     expected = torch.full_like(out, float("nan"))
-    ext_ops.paged_attention(*batch.attention_args(out))
-    reference.paged_attention(*batch.attention_args(expected))
+    ext_ops.paged_attention(*batch.attention_args(out), sliding_window)
+    reference.paged_attention(*batch.attention_args(expected), sliding_window)
     return out, expected
 
 
@@ -52,6 +52,30 @@ def test_matches_reference_on_random_shapes(ext_ops, device, decode, seed):
         batch = make_batch(**case, dtype=dtype, device=device, seed=seed)
         out, expected = run_both(ext_ops, batch)
         torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m: f"{case} {dtype}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
+@pytest.mark.parametrize("seed", range(6))
+def test_sliding_window_matches_reference(ext_ops, device, decode, seed):
+    """Windows shorter than a block, than a chunk, across many blocks, and longer than every sequence."""
+    rng = random.Random(100 + seed * 2 + decode)
+    case = random_case(rng, decode)
+    window = rng.choice([1, 5, case["block_size"], 100, 1000])
+    for dtype in dtypes_for(device):
+        batch = make_batch(**case, dtype=dtype, device=device, seed=seed)
+        out, expected = run_both(ext_ops, batch, window)
+        torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m: f"{case} window {window} {dtype}: {m}")
+
+
+@pytest.mark.parametrize("window", [1, 12, 24])
+def test_sliding_window_prefill_tiles(ext_ops, window):
+    """Whole prefills in 32-token tiles of GQA pairs: a row's window starts mid-chunk, at any lane (once
+    written past its row, corrupting the next row's scores and the heap)."""
+    lengths = [70, 33, 90, 17, 64, 5]
+    batch = make_batch(lengths, lengths, 2, 1, 64, 16, torch.float32, seed=window)
+    out, expected = run_both(ext_ops, batch, window)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,16 +134,18 @@ def test_writes_through_a_strided_out(ext_ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_matches_sdpa_on_dense_kv(dtype):
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_reference_matches_sdpa_on_dense_kv(dtype, window):
     seq_lens, q_lens = [1, 33, 48, 129], [1, 33, 5, 1]
     batch = make_batch(seq_lens, q_lens, 14, 2, 64, 16, dtype)
     out = torch.empty_like(batch.query)
-    reference.paged_attention(*batch.attention_args(out))
+    reference.paged_attention(*batch.attention_args(out), window)
     starts = batch.query_start_loc.tolist()
     for b, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
         q = batch.query[starts[b]:starts[b + 1]].float().transpose(0, 1)[None]
         k, v = (t.float().transpose(0, 1)[None] for t in (batch.keys[b], batch.values[b]))
-        allowed = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        keys, positions = torch.arange(n)[None, :], torch.arange(n - q_len, n)[:, None]
+        allowed = (keys <= positions) & ((keys > positions - window) if window else True)  # transformers' window
         dense = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=batch.scale, enable_gqa=True)
         torch.testing.assert_close(out[starts[b]:starts[b + 1]], dense[0].transpose(0, 1).to(dtype), **TOL[dtype])
 
@@ -148,6 +174,12 @@ def test_rejects_query_start_loc_past_the_query(ext_ops):
     batch.query_start_loc[-1] = 3
     with pytest.raises(RuntimeError, match="query_start_loc"):
         ext_ops.paged_attention(*batch.attention_args(torch.empty_like(batch.query)))
+
+
+def test_rejects_a_negative_window(ext_ops):
+    batch = make_batch([8], [1], 4, 2, 64, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="sliding_window must be >= 0"):
+        ext_ops.paged_attention(*batch.attention_args(torch.empty_like(batch.query)), -1)
 
 
 def test_cpu_rejects_fp16_with_a_clear_error(ext_ops):

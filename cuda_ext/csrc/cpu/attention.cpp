@@ -58,6 +58,7 @@ struct Problem {
   const int32_t* query_start_loc;
   int64_t group, block_size;
   float scale;
+  int64_t window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
 };
 
 struct WorkItem {
@@ -208,24 +209,29 @@ void score_chunk(int64_t n, int64_t rows, Scratch& sc) {
   }
 }
 
-// Online softmax over the first `valid` scores of row r (later keys are causally
-// masked): probabilities in place, running max/sum updated, alpha = accumulator rescale.
-// exp_u20 (ATen's polynomial exp, as in its CPU flash attention) keeps this step cheap.
-void softmax_update(int64_t r, int64_t valid, Scratch& sc) {
-  sc.valid[r] = valid;
+// Online softmax over scores [first, valid) of row r (earlier keys are outside its sliding window, later ones
+// causally masked; the earlier ones get probability 0): probabilities in place, running max/sum updated,
+// alpha = accumulator rescale. exp_u20 (ATen's polynomial exp, as in its CPU flash attention) keeps this cheap.
+void softmax_update(int64_t r, int64_t first, int64_t valid, Scratch& sc) {
+  first = std::max<int64_t>(first, 0);
+  sc.valid[r] = first < valid ? valid : 0;
   sc.alpha[r] = 1.f;
-  if (valid <= 0) return;
-  float* s = &sc.s[r * sc.ld];
+  if (first >= valid) return;
+  std::fill(&sc.s[r * sc.ld], &sc.s[r * sc.ld] + first, 0.f);
+  float* s = &sc.s[r * sc.ld] + first;
+  valid -= first;
   const Vec lowest(-std::numeric_limits<float>::infinity());
   Vec top = lowest;
+  // Partial loads and stores at the end: s starts `first` into the row, so a whole vector could run past it.
   for (int64_t t = 0; t < valid; t += kW)
-    top = at::vec::maximum(top, Vec::set(lowest, Vec::loadu(s + t), std::min(kW, valid - t)));
+    top = at::vec::maximum(top, Vec::set(lowest, Vec::loadu(s + t, std::min(kW, valid - t)), std::min(kW, valid - t)));
   const float m_new = std::max(sc.m[r], at::vec::vec_reduce_all<float>(
                                             [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, top));
   Vec sum(0.f);
   for (int64_t t = 0; t < valid; t += kW) {
-    const Vec e = Vec::set(Vec(0.f), (Vec::loadu(s + t) - Vec(m_new)).exp_u20(), std::min(kW, valid - t));
-    e.store(s + t);
+    const int64_t count = std::min(kW, valid - t);
+    const Vec e = Vec::set(Vec(0.f), (Vec::loadu(s + t, count) - Vec(m_new)).exp_u20(), count);
+    e.store(s + t, static_cast<int>(count));
     sum = sum + e;
   }
   sc.alpha[r] = std::exp(sc.m[r] - m_new);  // 0 for the first chunk (m = -inf)
@@ -282,8 +288,10 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& sc) {
   const PagedKV<T, D> kv{p, p.block_tables + w.seq * p.table_stride, w.kv_head, w.seq,
                          p.seq_lens[w.seq] - q_len + w.i1};  // keys visible to the last row
   const int64_t rows = (w.i1 - w.i0) * p.group, per_chunk = sc.chunk / p.block_size;
+  // The first row's window starts the first chunk: blocks before it no row of the item sees.
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   load_queries<T, D>(p, w, q_start, sc);
-  for (int64_t b0 = 0; b0 < kv.num_blocks(); b0 += per_chunk) {
+  for (int64_t b0 = lowest / p.block_size; b0 < kv.num_blocks(); b0 += per_chunk) {
     const int64_t b1 = std::min(kv.num_blocks(), b0 + per_chunk), c0 = b0 * p.block_size;
     const int64_t n = std::min(kv.num_keys, b1 * p.block_size) - c0;
     if (rows <= kDirectRows) {
@@ -292,7 +300,10 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& sc) {
       stage_keys<T, D>(kv, b0, b1, sc);
       score_chunk<D>(n, rows, sc);
     }
-    for (int64_t r = 0; r < rows; ++r) softmax_update(r, std::min(n, first_pos + r / p.group + 1 - c0), sc);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / p.group;
+      softmax_update(r, p.window > 0 ? pos - p.window + 1 - c0 : 0, std::min(n, pos + 1 - c0), sc);
+    }
     accumulate_values<T, D>(kv, b0, b1, rows, sc);
   }
   store_rows<T, D>(p, w, q_start, sc);
@@ -346,13 +357,13 @@ void dispatch_head_size(const Problem<T>& p, int64_t d, int64_t num_seqs, int64_
 template <typename T>
 void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-            double scale) {
+            double scale, int64_t window) {
   const Problem<T> p{query.data_ptr<T>(), out.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                      query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
                      value_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                      block_tables.size(1), key_cache.size(0), seq_lens.data_ptr<int32_t>(),
                      query_start_loc.data_ptr<int32_t>(), query.size(1) / key_cache.size(1), key_cache.size(2),
-                     static_cast<float>(scale)};
+                     static_cast<float>(scale), window};
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[block_tables.size(0)] <= query.size(0),
               "query_start_loc must stay within the query's ", query.size(0), " rows");
@@ -364,13 +375,16 @@ void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                         double scale) {
+                         double scale, int64_t sliding_window) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   switch (query.scalar_type()) {
     case at::kFloat:
-      return launch<float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+      return launch<float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                           sliding_window);
     case at::kBFloat16:
-      return launch<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+      return launch<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                   sliding_window);
     default: TORCH_CHECK(false, "CPU paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
 }

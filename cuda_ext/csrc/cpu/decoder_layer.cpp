@@ -27,7 +27,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                   int64_t max_query_len, int64_t max_seq_len, double eps, double scale) {
+                                   int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
+                                   int64_t sliding_window) {
   TORCH_CHECK(weights.size() == 6 && optional.size() == 6 && sizes.size() == 7,
               "llama_decoder_layer takes 6 weights (input norm, qkv, o, post-attention norm, gate_up, down), "
               "6 optional ones (qkv, o, gate_up and down biases, q and k norms) and 7 sizes, got ", weights.size(),
@@ -49,7 +50,7 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                         value_cache, slot_mapping);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len, scale);
+                      max_seq_len, scale, sliding_window);
   const at::Tensor o = skinny_linear_cpu(attn.view({tokens, heads * d}), weights[2], optional.get(1), sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
   const at::Tensor gate_up = skinny_linear_cpu(h, weights[4], optional.get(2), sizes[5]);

@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionA
   const int b = sequence_of(a, t);
   const int q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
   const int n_keys = a.seq_lens[b] - q_len + (t - a.query_start_loc[b]) + 1;  // causal: keys [0, position]
+  const int first = a.window > 0 && n_keys > a.window ? n_keys - a.window : 0;  // the sliding window's first key
   const int kv_head = h / (a.num_heads / a.num_kv_heads);
   const T* q_row = static_cast<const T*>(a.query) + t * a.q_stride_t + h * a.q_stride_h;
   const int32_t* table = a.block_tables + b * a.table_stride;
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionA
     q[i] = d < D ? to_float(q_row[d]) * a.scale : 0.f;
     acc[i] = 0.f;
   }
-  for (int j = warp; j < n_keys; j += kWarps) {
+  for (int j = first + warp; j < n_keys; j += kWarps) {
     const int64_t block = table[j / a.block_size];
     const int64_t row = (static_cast<int64_t>(kv_head) * a.block_size + j % a.block_size) * D;
     const T* k = static_cast<const T*>(a.key_cache) + block * a.k_stride_b + row;

@@ -49,8 +49,9 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                          double scale) {
+                          double scale, int64_t sliding_window) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   const int64_t d = key_cache.size(3);
   const c10::DeviceGuard guard(query.device());
   const cuda::AttentionArgs args{
@@ -59,7 +60,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
       out.stride(0), out.stride(1), query.stride(0), query.stride(1), key_cache.stride(0), value_cache.stride(0),
       block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
       static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(d),
-      static_cast<int>(key_cache.size(2)), static_cast<float>(scale)};
+      static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window)};
   check_cuda(cuda::paged_attention(args, dtype_of(query), current_stream(query.device())), "paged_attention");
 }
 

@@ -31,6 +31,7 @@ struct AttentionArgs {
   int64_t out_stride_t, out_stride_h, q_stride_t, q_stride_h, k_stride_b, v_stride_b, table_stride;
   int num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
+  int window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
 };
 
 struct AddRmsNormArgs {
