@@ -60,12 +60,14 @@ def paged_attention(
         q0, q1 = starts[b], starts[b + 1]
         if q1 == q0:
             continue
-        k = gather_kv(key_cache, block_tables[b], seq_len).repeat_interleave(group, dim=0).float()
-        v = gather_kv(value_cache, block_tables[b], seq_len).repeat_interleave(group, dim=0).float()
+        # Keys before the first row's window are never read: the engine releases their blocks.
+        lo = max(0, seq_len - (q1 - q0) - sliding_window + 1) if sliding_window else 0
+        k = gather_kv(key_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
+        v = gather_kv(value_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
         q = query[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
-        scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
+        scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len - lo]
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        keys = torch.arange(seq_len, device=query.device)[None, :]
+        keys = torch.arange(lo, seq_len, device=query.device)[None, :]
         hidden = keys > positions[:, None]
         if sliding_window:
             hidden |= keys <= positions[:, None] - sliding_window

@@ -58,7 +58,7 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, max_model_len, device,
                                                                      tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, sliding_window=model_config.kv_window)
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
                               config.show_progress)
     return resolved, model

@@ -40,6 +40,8 @@ class EngineStats:
     generation_tokens_total: int = _counter("vllm:generation_tokens", "Generated tokens.")
     num_swapped_out_blocks_total: int = _counter("pagedserve:num_swapped_out_blocks", "KV blocks swapped out to CPU.")
     num_swapped_in_blocks_total: int = _counter("pagedserve:num_swapped_in_blocks", "KV blocks swapped back in.")
+    num_window_released_blocks_total: int = _counter("pagedserve:num_window_released_blocks", "KV blocks released "
+                                                     "behind the sliding window while their sequence runs.", default=0)
     # Set by the engine (the scheduler knows no grammar): a benchmark reports seconds / steps per step.
     grammar_mask_seconds_total: float = _counter("pagedserve:grammar_mask_seconds", "Seconds filling and applying "
                                                  "structured-output token masks.", default=0.0)

@@ -40,6 +40,7 @@ class KVCacheStats:
     num_external_frag_slots: int
     num_free_slots: int
     usage: float  # used blocks / num_blocks
+    num_window_released_blocks: int = 0  # ever released behind a sliding window, before their sequence ended
 
     @property
     def token_utilization(self) -> float:

@@ -4,7 +4,8 @@ The three primitives of the paper: ``fork`` (share all blocks, ref+1),
 ``append`` (claim slots for new tokens; a new block only when the last one is
 full; copy-on-write when the last block is shared) and ``free``. Plus prefix
 cache lookup at admission, hash registration of newly-full computed blocks,
-and whole-sequence swap between the pools.
+and whole-sequence swap between the pools. With a sliding window, blocks wholly
+behind it are released as the sequence advances (``None`` in the table).
 """
 from __future__ import annotations
 
@@ -17,23 +18,31 @@ from engine.core.prefix_hash import ROOT_HASH, hash_block
 
 @dataclass(slots=True)
 class BlockTable:
-    """One sequence's logical -> physical map: block j holds tokens [j*bs, (j+1)*bs)."""
+    """One sequence's logical -> physical map: block j holds tokens [j*bs, (j+1)*bs); the first
+    ``num_released`` are None, released behind the sliding window."""
 
-    blocks: list[Block]
-    block_ids: list[int]  # mirrors ``blocks``; handed to the runner
+    blocks: list[Block | None]
+    block_ids: list[int]  # mirrors ``blocks`` (0 for a released block: the kernels never read it); for the runner
     salt: bytes | None  # extra prefix-hash key
     num_slots: int = 0  # claimed token slots (computed + reserved)
     num_computed: int = 0
     num_hashed: int = 0  # leading blocks whose chain hash is known
     last_hash: bytes = ROOT_HASH  # chain hash of block num_hashed - 1
     on_cpu: bool = False
+    num_released: int = 0
+
+    def held(self) -> list[Block]:
+        return self.blocks[self.num_released:]
 
 
 class KVCacheManager:
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_caching: bool) -> None:
+                 enable_caching: bool, sliding_window: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # No layer sees a key further back than this (0: some layer sees the whole context).
+        self.sliding_window = sliding_window
+        self.num_released_blocks = 0  # released behind the window, ever (KVCacheStats)
         self.device_pool = BlockPool(num_device_blocks, block_size, enable_caching)
         self.num_blocks = num_device_blocks
         # Swap space beyond the device pool could never be swapped back in whole.
@@ -173,11 +182,11 @@ class KVCacheManager:
             raise ValueError(f"sequence {child_id} already has a block table")
         if parent.on_cpu or parent.num_slots != parent.num_computed:
             raise ValueError("fork a running sequence only once its K/V is computed (between steps)")
-        for block in parent.blocks:
+        for block in parent.held():
             self.device_pool.incref(block)
         self.tables[child_id] = BlockTable(
             list(parent.blocks), list(parent.block_ids), parent.salt, parent.num_slots,
-            parent.num_computed, parent.num_hashed, parent.last_hash)
+            parent.num_computed, parent.num_hashed, parent.last_hash, num_released=parent.num_released)
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (no-op when it holds none)."""
@@ -186,7 +195,7 @@ class KVCacheManager:
             return
         pool = self.cpu_pool if table.on_cpu else self.device_pool
         # Tail first: the deepest (least shareable) prefix blocks get evicted first.
-        for block in reversed(table.blocks):
+        for block in reversed(table.held()):
             pool.decref(block)
 
     # -- after the forward pass ---------------------------------------------
@@ -206,19 +215,36 @@ class KVCacheManager:
                 block = table.blocks[j]
                 pool.set_fill(block, block.num_slots, min(bs, num_computed - j * bs))
         table.num_computed = num_computed
-        if not self.enable_caching:
-            return
-        while (table.num_hashed + 1) * bs <= num_computed:
+        if self.enable_caching:
+            self._register_full_blocks(table, token_ids)
+        if self.sliding_window:
+            self._release_behind_window(table)
+
+    def _register_full_blocks(self, table: BlockTable, token_ids: list[int]) -> None:
+        bs = self.block_size
+        while (table.num_hashed + 1) * bs <= table.num_computed:
             start = table.num_hashed * bs
             chunk = token_ids[start:start + bs]
             table.last_hash = hash_block(table.last_hash, chunk, table.salt)
-            pool.register(table.blocks[table.num_hashed], table.last_hash, chunk)
+            self.device_pool.register(table.blocks[table.num_hashed], table.last_hash, chunk)
             table.num_hashed += 1
+
+    def _release_behind_window(self, table: BlockTable) -> None:
+        """Frees the blocks wholly before the window of the next token (at position ``num_computed``), which
+        sees keys from ``num_computed - sliding_window + 1`` on; the last block always stays (appends go there).
+        A released prefix-cached block stays reusable, as any freed one does."""
+        end = min((table.num_computed - self.sliding_window + 1) // self.block_size, len(table.blocks) - 1)
+        for j in range(table.num_released, end):
+            self.device_pool.decref(table.blocks[j])
+            table.blocks[j], table.block_ids[j] = None, 0
+        if end > table.num_released:
+            self.num_released_blocks += end - table.num_released
+            table.num_released = end
 
     # -- swapping -----------------------------------------------------------
     def num_blocks_of(self, seq_ids: list[int]) -> int:
         """Distinct blocks held by these sequences (what swapping them moves)."""
-        return len({b.block_id for s in seq_ids for b in self.tables[s].blocks})
+        return len({b.block_id for s in seq_ids for b in self.tables[s].held()})
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool: (device, cpu) pairs."""
@@ -234,8 +260,8 @@ class KVCacheManager:
         mapping: dict[int, Block] = {}  # a block shared within the group moves once
         for seq_id in seq_ids:
             table = self.tables[seq_id]
-            moved = []
-            for block in table.blocks:
+            moved: list[Block | None] = [None] * table.num_released
+            for block in table.held():
                 target = mapping.get(block.block_id)
                 if target is None:
                     target = mapping[block.block_id] = dst.allocate()
@@ -243,10 +269,10 @@ class KVCacheManager:
                 else:
                     dst.incref(target)
                 moved.append(target)
-            for block in reversed(table.blocks):
+            for block in reversed(table.held()):
                 src.decref(block)
             table.blocks = moved
-            table.block_ids = [b.block_id for b in moved]
+            table.block_ids = [0 if b is None else b.block_id for b in moved]
             table.on_cpu = dst is self.cpu_pool
         return [(src_id, block.block_id) for src_id, block in mapping.items()]
 
@@ -260,4 +286,5 @@ class KVCacheManager:
             num_tokens_stored=dev.num_computed_slots,
             num_reserved_slots=dev.num_used_slots - dev.num_computed_slots,
             num_internal_frag_slots=used * bs - dev.num_used_slots, num_external_frag_slots=0,
-            num_free_slots=dev.num_free_blocks * bs, usage=used / dev.num_blocks if dev.num_blocks else 0.0)
+            num_free_slots=dev.num_free_blocks * bs, usage=used / dev.num_blocks if dev.num_blocks else 0.0,
+            num_window_released_blocks=self.num_released_blocks)

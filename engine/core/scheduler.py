@@ -62,7 +62,7 @@ def _pending_forks(group: SequenceGroup) -> int:
 def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
     if config.kv_allocator == "paged":
         return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
-                              config.block_size, config.enable_prefix_caching)
+                              config.block_size, config.enable_prefix_caching, config.sliding_window)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off: the %s allocator shares no blocks (paged only)", config.kv_allocator)
     if config.num_cpu_blocks:
@@ -559,4 +559,5 @@ class Scheduler:
             prefix_cache_queries_total=self.kv.prefix_cache_queries, prefix_cache_hits_total=self.kv.prefix_cache_hits,
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generated_tokens,
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
-            num_swapped_in_blocks_total=self.num_swapped_in_blocks)
+            num_swapped_in_blocks_total=self.num_swapped_in_blocks,
+            num_window_released_blocks_total=kv.num_window_released_blocks)

@@ -18,11 +18,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: PreemptionMode
     kv_allocator: KVAllocatorName
+    # The model's: no layer sees keys further back (0: some layer sees all), so blocks behind it are freed.
+    sliding_window: int
 
     @classmethod
     def resolved(cls, config: EngineConfig, **values: int) -> SchedulerConfig:
-        """``config``'s scheduling fields, with the resolved ``values`` in place of its own."""
-        return cls(**({f.name: getattr(config, f.name) for f in fields(cls)} | values))
+        """``config``'s scheduling fields, with the resolved ``values`` in place of its own (and of the
+        model's, which ``config`` lacks)."""
+        return cls(**({f.name: getattr(config, f.name) for f in fields(cls) if f.name not in values} | values))
 
     @classmethod
     def without_model(cls, config: EngineConfig) -> SchedulerConfig:
@@ -30,4 +33,4 @@ class SchedulerConfig:
         sizes the pools, so ``config`` must give the device block count."""
         if config.num_device_blocks is None:
             raise ValueError("without a model, num_device_blocks must be given")
-        return cls.resolved(config, num_cpu_blocks=config.num_cpu_blocks or 0)
+        return cls.resolved(config, num_cpu_blocks=config.num_cpu_blocks or 0, sliding_window=0)

@@ -81,7 +81,7 @@ class KVMemory:
 def check_kv_invariants(kv: KVCacheManager) -> None:
     """Block accounting, checked against the tables (not the pool's counters)."""
     for pool, on_cpu in ((kv.device_pool, False), (kv.cpu_pool, True)):
-        refs = Counter(b.block_id for t in kv.tables.values() if t.on_cpu == on_cpu for b in t.blocks)
+        refs = Counter(b.block_id for t in kv.tables.values() if t.on_cpu == on_cpu for b in t.held())
         free = set(pool.free_block_ids())
         assert len(free) == pool.num_free_blocks
         assert not free & set(refs), "a block is both free and mapped"
@@ -90,13 +90,14 @@ def check_kv_invariants(kv: KVCacheManager) -> None:
             assert block.ref_count == refs.get(block.block_id, 0), f"ref count of block {block.block_id}"
     bs = kv.block_size
     for table in kv.tables.values():
-        assert table.block_ids == [b.block_id for b in table.blocks]
+        assert table.blocks[:table.num_released] == [None] * table.num_released and None not in table.held()
+        assert table.block_ids == [0] * table.num_released + [b.block_id for b in table.held()]
         assert len(table.blocks) == -(-table.num_slots // bs)
     stats = kv.stats()
     assert stats.num_external_frag_slots == 0  # any free block serves any request
     assert (stats.num_tokens_stored + stats.num_reserved_slots + stats.num_internal_frag_slots
             + stats.num_free_slots == stats.num_blocks * bs)
-    stored = {b.block_id: b.num_computed for t in kv.tables.values() if not t.on_cpu for b in t.blocks}
+    stored = {b.block_id: b.num_computed for t in kv.tables.values() if not t.on_cpu for b in t.held()}
     assert stats.num_tokens_stored == sum(stored.values())
 
 

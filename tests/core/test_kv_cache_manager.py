@@ -192,3 +192,65 @@ def test_free_returns_every_block():
     kv.free(1)  # freeing twice is harmless: the table is gone
     check_kv_invariants(kv)
     assert kv.stats().num_free_blocks == 16 and kv.stats().num_tokens_stored == 0
+
+
+def _decode(kv: KVCacheManager, seq_id: int, tokens: list[int], count: int) -> None:
+    """``count`` decode steps of one token each, ``tokens`` growing."""
+    for _ in range(count):
+        tokens.append(len(tokens))
+        kv.append(seq_id, 1)
+        kv.mark_computed(seq_id, len(tokens), tokens)
+        check_kv_invariants(kv)
+
+
+def test_blocks_behind_the_window_are_released_as_the_sequence_advances():
+    kv = KVCacheManager(16, 0, BS, enable_caching=False, sliding_window=6)
+    tokens = list(range(9))
+    _prefill(kv, 0, tokens)
+    # The next token (position 9) sees keys 4..9: block 0 (tokens 0-3) is behind every window.
+    assert kv.block_ids(0) == [0, 1, 2] and kv.tables[0].num_released == 1
+    assert kv.block_ids(0)[0] == 0 and kv.tables[0].blocks[0] is None
+    assert kv.num_free_blocks == 14 and kv.stats().num_window_released_blocks == 1
+    _decode(kv, 0, tokens, 11)  # 20 tokens: position 20 sees 15..20, blocks 0-2 released
+    assert kv.tables[0].num_released == 3 and kv.stats().num_used_blocks == 2  # tokens 12-19
+    assert kv.stats().num_tokens_stored == 20 - 3 * BS
+    kv.free(0)
+    assert kv.num_free_blocks == 16 and kv.stats().num_window_released_blocks == 3
+
+
+def test_the_last_block_stays_however_small_the_window():
+    kv = KVCacheManager(16, 0, BS, enable_caching=False, sliding_window=1)
+    _prefill(kv, 0, list(range(8)))  # two full blocks; the next token sees only itself
+    assert kv.tables[0].num_released == 1 and kv.tables[0].blocks[1] is not None
+    kv.append(0, 1)  # the next token still gets a fresh block
+    assert len(kv.block_ids(0)) == 3
+    check_kv_invariants(kv)
+
+
+def test_a_released_block_still_serves_prefix_hits():
+    kv = KVCacheManager(16, 0, BS, enable_caching=True, sliding_window=4)
+    prompt = list(range(13))
+    _prefill(kv, 0, prompt)  # position 13 sees 10..13: blocks 0 and 1 released, still cached
+    assert kv.tables[0].num_released == 2 and kv.stats().num_cached_free_blocks == 2
+    hits = kv.find_cached_prefix(prompt, None)
+    assert [b.block_id for b in hits] == [0, 1, 2]
+
+
+def test_fork_and_swap_keep_released_blocks_released():
+    kv = KVCacheManager(16, 16, BS, enable_caching=False, sliding_window=5)
+    tokens = list(range(10))
+    _prefill(kv, 0, tokens)  # position 10 sees 6..10: block 0 released
+    kv.fork(0, 1)
+    assert kv.tables[1].num_released == 1 and kv.num_blocks_of([0, 1]) == 2
+    out = kv.swap_out([0, 1])
+    assert len(out) == 2 and kv.block_ids(0)[0] == 0 and kv.tables[0].blocks[0] is None
+    check_kv_invariants(kv)
+    kv.swap_in([0, 1])
+    assert kv.tables[0].num_released == 1 and kv.num_free_blocks == 14
+    check_kv_invariants(kv)
+    _decode(kv, 1, tokens, 2)  # the child moves on alone: position 12 sees 8..12
+    assert kv.tables[1].num_released == 2 and kv.tables[0].num_released == 1
+    assert kv.num_free_blocks == 13  # the parent's blocks 1-2, the child's copy of block 2
+    kv.free(0)
+    kv.free(1)
+    assert kv.num_free_blocks == 16

@@ -15,7 +15,7 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
 from engine.models.config import context_length, read_model_config
 
-from .conftest import hf_greedy, mixed_prompts
+from .conftest import build_checkpoint, hf_greedy, mixed_prompts
 
 STATS_KEYS = {
     "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage",
@@ -219,6 +219,32 @@ def test_each_layer_gets_the_window_transformers_gives_it(broken_copy, extra, wi
     assert read_model_config(broken_copy).layer_windows == windows
     engine = make_engine(broken_copy, max_model_len=None)
     assert [layer.self_attn.attn.sliding_window for layer in engine.runner.model.model.layers] == list(windows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ext"])
+def test_blocks_behind_every_window_return_to_the_pool(tmp_path, backend):
+    """Two 40-token prompts growing to 190 tokens would need 24 blocks of 16 without release; behind a
+    12-token window they run in 8 (3 each for the prompt, then 2), unpreempted and token-exact."""
+    checkpoint = build_checkpoint("mistral-window", tmp_path)
+    prompts = [p[:40] for p in mixed_prompts() if len(p) >= 40][:2]
+    engine = make_engine(checkpoint.path, attention_backend=backend, num_device_blocks=8, max_model_len=None)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+    outputs: dict[str, list[int]] = {"0": [], "1": []}
+    for delta in run_to_end(engine):
+        outputs[delta.request_id] += delta.outputs[0].token_ids
+    assert [outputs[str(i)] for i in range(2)] == [hf_greedy(checkpoint.hf_model, p, 150) for p in prompts]
+    stats = engine.stats()
+    assert stats.num_preemptions_total == 0 and stats.num_window_released_blocks_total >= 2 * (190 // 16 - 2)
+    assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_a_full_attention_layer_keeps_every_block(tmp_path):
+    checkpoint = build_checkpoint("qwen2-window", tmp_path)  # layer 0 attends to everything
+    engine = make_engine(checkpoint.path, max_model_len=None)
+    engine.add_request("0", list(range(1, 41)), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    run_to_end(engine)
+    assert engine.scheduler.kv.sliding_window == 0 and engine.stats().num_window_released_blocks_total == 0
 
 
 @pytest.mark.parametrize("extra, match", [
