@@ -188,6 +188,6 @@ async def test_the_broker_runs_over_tls(tls_redis, tokenizer, demo_engine, monke
                              socket_timeout=2).ping()
 
 
-def test_the_readme_documents_the_acl_rules() -> None:
-    readme = (Path(ROOT) / "README.md").read_text()
-    assert f"ACL SETUSER pagedserve on >PASSWORD {acl_rules('pagedserve')}\n" in readme
+def test_the_deployment_doc_documents_the_acl_rules() -> None:
+    page = (Path(ROOT) / "docs" / "deployment.md").read_text()
+    assert f"ACL SETUSER pagedserve on >PASSWORD {acl_rules('pagedserve')}\n" in page
