@@ -11,7 +11,7 @@ from engine.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.layers.attention import AttentionMetadata
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors
 
-from .conftest import backends, hf_greedy, mixed_prompts
+from .conftest import TEST_DEVICE, backends, hf_greedy, mixed_prompts
 
 
 def test_buckets_follow_the_steps_up_to_max_num_seqs():
@@ -58,11 +58,14 @@ def test_padding_stores_nowhere_and_attends_one_key():
 def _padded_llm(path: str, backend: str, **overrides) -> tuple[LLM, list[int]]:
     """An LLM whose decode steps go through DecodeGraphs; also the batch sizes those steps had."""
     config = dict(attention_backend=backend, dtype="float32", num_device_blocks=256, show_progress=False,
-                  max_num_seqs=20)
+                  max_num_seqs=20, device=TEST_DEVICE)
     llm = LLM(path, skip_tokenizer_init=True, **(config | overrides))
     runner = llm.engine.runner
-    assert not llm.engine.config.decode_graphs and runner.graphs is None  # CPU: eager unless asked
-    runner.enable_decode_graphs()
+    # CPU: eager unless asked; CUDA: graphs with the compiled kernels.
+    on_by_default = TEST_DEVICE == "cuda" and backend == "ext"
+    assert llm.engine.config.decode_graphs == on_by_default and (runner.graphs is None) != on_by_default
+    if not on_by_default:
+        runner.enable_decode_graphs()
     graphs, sizes = runner.graphs, []
     forward = graphs.forward
 
