@@ -43,7 +43,8 @@ def test_padding_stores_nowhere_and_attends_one_key():
     assert out.input_ids.tolist() == [7, 9, 0, 0] and out.positions.tolist() == [21, 18, 0, 0]
     assert m.slot_mapping.tolist() == [37, 50, -1, -1]
     assert m.seq_lens.tolist() == [22, 19, 1, 1] and m.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert m.block_tables[:, :2].tolist() == [[2, 3], [3, 0], [0, 0], [0, 0]] and m.block_tables[2:, 2].tolist() == [0, 0]
+    assert m.block_tables[:, :2].tolist() == [[2, 3], [3, 0], [0, 0], [0, 0]]
+    assert m.block_tables[2:, 2].tolist() == [0, 0]
     assert out.sample_rows.tolist() == [0, 1] and (m.max_query_len, m.max_seq_len) == (1, 22)
     # A smaller step reuses the buffer: its pads overwrite the previous step's rows.
     small = StepTensors(step.input_ids[:1], step.positions[:1], AttentionMetadata(
@@ -109,3 +110,22 @@ def test_prefill_mixes_fall_back_to_eager(llama_checkpoint, backend):
     assert eager and sizes  # both paths ran
     assert [outputs[str(i)] for i in range(len(prompts))] == [
         hf_greedy(llama_checkpoint.hf_model, p, 10) for p in prompts]
+
+
+def test_a_bucket_reads_the_addresses_its_steps_are_loaded_at():
+    """A captured graph keeps the addresses of its bucket's static inputs: every later step of that bucket must
+    be loaded at those same addresses, whatever its number of sampled rows."""
+    graphs = DecodeGraphs(torch.nn.Identity(), 20, 4, 64, torch.device("cpu"))
+    captured = graphs.inputs.views(StepLayout(8, 8, 4, 0), 1, 64)
+    meta = AttentionMetadata(torch.arange(5), torch.zeros(5, 2, dtype=torch.int32),
+                             torch.full((5,), 3, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 1, 3)
+    loaded = graphs.inputs.load(StepLayout(8, 8, 4, 3), StepTensors(torch.arange(5), torch.arange(5), meta,
+                                                                    torch.tensor([0, 2, 4])))
+    assert _addresses(captured) == _addresses(loaded)
+    assert captured.meta.seq_lens.tolist() == [3] * 5 + [1] * 3  # the same memory, so the same values
+
+
+def _addresses(step: StepTensors) -> list[tuple[int, torch.Size]]:
+    m = step.meta
+    tensors = (step.input_ids, step.positions, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
+    return [(t.data_ptr(), t.shape) for t in tensors]

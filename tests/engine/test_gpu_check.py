@@ -12,7 +12,8 @@ import pytest
 from loadtest.gpu_check_report import graphs_vs_eager, read_steps
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["build", "kernel_tests", "exactness", "profile_graphs", "profile_eager", "bench_offline", "bench_kernels"]
+STEPS = ["build", "kernel_tests", "exactness", "profile_graphs", "profile_eager", "bench_offline_static",
+         "bench_offline_continuous", "bench_kernels"]
 
 
 def _profile(folder: Path, name: str, step_ms: float, gpu_ms: float) -> Path:
@@ -49,5 +50,6 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert {n for n, s in by_name.items() if not s["ok"]} == (set() if has_device else {"bench_kernels"})
     assert "passed" in by_name["exactness"]["log_tail"][-1]
     assert report["graphs_vs_eager"]["step_ms"] > 0
-    assert by_name["bench_offline"]["result"]["summary"][0]["pagedserve_tok_s"] > 0
+    static, continuous = (by_name[f"bench_offline_{peer}"]["result"]["summary"][0] for peer in ("static", "continuous"))
+    assert static["ratio_vs_hf-static"] > 0 and continuous["ratio_vs_hf-continuous"] > 0
 
