@@ -44,6 +44,7 @@ class EngineConfig:
     device: str = spec("cpu", help="torch device")
     attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
     kv_allocator: KVAllocatorName = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
+    enforce_eager: bool = spec(False, help="run every step eagerly: no CUDA graphs for decode-only steps")
     seed: int = spec(0, help="engine sampling seed")
     num_threads: int | None = spec(help="torch CPU threads")
     tensor_parallel_size: int = spec(1, low=1, help="split the model across this many processes (one GPU each on "

@@ -12,8 +12,10 @@ from torch import nn
 
 from cuda_ext import KernelOps
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import AttentionMetadata
 from engine.resolved_config import ResolvedConfig
+from engine.step_inputs import StepBuffers, StepLayout, StepTensors
 
 
 @dataclass(slots=True)
@@ -85,6 +87,16 @@ class ModelRunner:
                                      pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
         for i, attn in enumerate(attention):
             attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
+        self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
+        self.graphs: DecodeGraphs | None = None
+        self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
+        if config.decode_graphs:
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self) -> None:
+        """Decode-only steps from now on padded to ``DecodeGraphs``' buckets (captured as CUDA graphs on CUDA)."""
+        self.graphs = DecodeGraphs(self.model, self._max_num_seqs, -(-self._max_model_len // self.block_size),
+                                   self._max_model_len, self.device)
 
     def execute(self, out: SchedulerOutput) -> Logits | None:
         """Moves blocks, runs the model; returns fp32 logits for the ``do_sample`` seqs, in schedule order."""
@@ -102,18 +114,29 @@ class ModelRunner:
         b = plan.batch
         if b is None:
             return None
-        meta = AttentionMetadata(self._dev(b.meta.slot_mapping), self._dev(b.meta.block_tables),
-                                 self._dev(b.meta.seq_lens), self._dev(b.meta.query_start_loc),
-                                 b.meta.max_query_len, b.meta.max_seq_len)
-        hidden = self.model(self._dev(b.input_ids), self._dev(b.positions), meta)
+        hidden, sample_rows = self._forward(b)
         prompt = self._prompt_logprobs(hidden, b) if b.prompt_rows.numel() else None
         if b.sample_rows.numel() == 0:
             return None if prompt is None else Logits(None, None, prompt)
         # index_select, not hidden[rows]: advanced indexing runs an OpenMP region (~0.2 ms, more under load).
-        logits, argmax = self.model.compute_logits(hidden.index_select(0, self._dev(b.sample_rows)), b.need_logits)
+        logits, argmax = self.model.compute_logits(hidden.index_select(0, sample_rows), b.need_logits)
         if logits is None:
             return None if argmax is None and prompt is None else Logits(None, argmax, prompt)
+        if not b.need_logits and argmax is None:  # the argmax on the logits as they are: no fp32 copy of them
+            return Logits(None, self.ops.row_argmax(logits), prompt)
         return Logits(logits.float(), argmax, prompt)
+
+    def _forward(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states (a decode step padded to its bucket: extra rows) and the rows to sample, on the
+        device; the inputs reach a CUDA device in one copy."""
+        step, m = StepTensors(b.input_ids, b.positions, b.meta, b.sample_rows), b.meta
+        width = m.block_tables.shape[1]
+        if (self.graphs is not None and not b.prompt_rows.numel()
+                and self.graphs.accepts(len(m.seq_lens), m.max_query_len, width)):
+            return self.graphs.forward(step)
+        if self.device.type != "cpu":
+            step = self.inputs.load(StepLayout(len(b.input_ids), len(m.seq_lens), width, len(b.sample_rows)), step)
+        return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:
         """The prompt rows scored a slice at a time, so no more than one slice's [rows, vocab] logits exist at

@@ -31,6 +31,9 @@ class ResolvedConfig:
     device: torch.device  # this rank's
     scheduler: SchedulerConfig
     show_progress: bool
+    # Decode-only steps replay CUDA graphs: on CUDA, compiled kernels (the reference ones read lengths on the
+    # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager.
+    decode_graphs: bool = False
 
 
 def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.device, torch.dtype], M],
@@ -59,8 +62,10 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
                                                                      tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
                                          max_model_len=max_model_len, sliding_window=model_config.kv_window)
+    decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
+                     and tp.size == 1)
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
-                              config.show_progress)
+                              config.show_progress, decode_graphs)
     return resolved, model
 
 

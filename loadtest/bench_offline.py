@@ -123,15 +123,15 @@ def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) ->
     return folder
 
 
-def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1) -> dict:
+def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu") -> dict:
     return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size)
+                enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device)
 
 
-def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1
-                     ) -> tuple[tuple[float, float], StepTimers]:
+def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1,
+                     device: str = "cpu") -> tuple[tuple[float, float], StepTimers]:
     """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
-    llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(threads, backend, tensor_parallel_size))
+    llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(threads, backend, tensor_parallel_size, device))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
     timers = instrument(llm.engine)
     return timed(lambda: _run_pagedserve(llm, requests)), timers
@@ -148,8 +148,8 @@ def run_hf_static(model, requests: list[Request], batch_size: int) -> None:
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
         width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch], device=model.device)  # left pad
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=model.device)
         new = max(r.output_len for r in batch)
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
                        pad_token_id=0)
@@ -201,9 +201,9 @@ class Measured:
 
 def measure_pagedserve(path: str, requests: list[Request], args) -> Measured:
     tp = args.tensor_parallel_size
-    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp)
-    return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}",
-                    pagedserve_config(args.threads, args.backend, tp), timers)
+    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device)
+    return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}",
+                    pagedserve_config(args.threads, args.backend, tp, args.device), timers)
 
 
 def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
@@ -285,7 +285,7 @@ def run_model(name: str, args, results: list[Result]) -> None:
         hf_model = None
         if not (args.skip_hf_static and args.skip_hf_continuous):
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").eval()
+                path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").to(args.device).eval()
         peer = None
         if args.llama_cpp:
             from loadtest.llama_cpp_peer import LlamaCppPeer, write_gguf
@@ -365,6 +365,7 @@ def main() -> None:
                         help="llama.cpp threads to try, each with flash attention off and on and a unified or "
                              "per-request KV cache (best is kept; default: 1 and --threads)")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
+    parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
     parser.add_argument("--skip-hf-static", action="store_true")

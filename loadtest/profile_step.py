@@ -15,6 +15,12 @@ times ``--steps`` decode steps. Per step, in ms:
 * sampler, scheduler (``schedule`` + ``update_from_output``), prepare (the runner's input tensors)
 * other: the rest of ``LLMEngine.step`` (outputs, the runner's logits row pick, ...)
 
+On CUDA the timers synchronize after each part, so first ``--steps`` steps run untimed but for one
+synchronize at the end (``cuda``: wall ms per step, GPU ms per step from CUDA events around them), then
+``--profile-steps`` under torch.profiler count each step's kernel launches and graph replays (host API calls)
+and the kernels' device time (the top kernels by total time). ``--enforce-eager`` turns the decode graphs off
+(the part timers do not see inside a graph replay: its layers count as "other").
+
 "Python overhead" is the step's wall time minus the model's (forward + LM head): the time the
 engine spends outside the model. Each part is also measured in process CPU time (all threads): on a
 shared machine a descheduled process inflates wall times, while the CPU time of the single-threaded
@@ -117,8 +123,8 @@ def unfuse(engine: LLMEngine) -> None:
             module.fused = None
 
 
-def steady_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, steps: int, vocab: int) -> StepTimers:
-    """``steps`` timed steps with ``num_seqs`` sequences decoding (prefills done before timing starts)."""
+def start_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, steps: int, vocab: int) -> None:
+    """``num_seqs`` sequences past their prefill, with room for ``steps`` more decode steps."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(num_seqs):
@@ -127,10 +133,48 @@ def steady_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, steps: int,
         engine.step()
     for _ in range(4):  # warm caches and allocator at the decode shape
         engine.step()
+
+
+def steady_decode(engine: LLMEngine, num_seqs: int, prompt_len: int, steps: int, vocab: int) -> StepTimers:
+    """``steps`` timed steps with ``num_seqs`` sequences decoding (prefills done before timing starts)."""
+    start_decode(engine, num_seqs, prompt_len, steps, vocab)
     timers = instrument(engine)
     for _ in range(steps):
         engine.step()
     return timers
+
+
+def cuda_steps(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Wall and GPU ms per step over ``steps`` uninstrumented steps (one synchronize, at the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        engine.step()
+    end.record()
+    torch.cuda.synchronize()
+    return {"wall_ms": 1e3 * (time.perf_counter() - wall) / steps, "gpu_ms": start.elapsed_time(end) / steps}
+
+
+def cuda_kernels(engine: LLMEngine, steps: int, top: int = 10) -> dict:
+    """Per step under torch.profiler: host launch calls by name, kernels run, their device ms; the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = {e.key: e.count / steps for e in events if e.key.startswith(("cudaLaunch", "cudaGraphLaunch",
+                                                                             "cuLaunch", "cudaMemcpy"))}
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {"host_calls_per_step": launches,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "kernel_ms_per_step": sum(e.device_time_total for e in kernels) / 1e3 / steps,
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": e.device_time_total / 1e3 / steps,
+                             "calls_per_step": e.count / steps} for e in kernels[:top]]}
 
 
 def main() -> None:
@@ -146,25 +190,41 @@ def main() -> None:
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--split-layers", action="store_true",
                         help="run the decoder layers' per-op Python forward, not their compiled call")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode steps")
+    parser.add_argument("--profile-steps", type=int, default=20, help="CUDA: steps under torch.profiler")
     parser.add_argument("--json", help="write the breakdown here")
     args = parser.parse_args()
+    cuda = torch.device(args.device).type == "cuda"
     with tempfile.TemporaryDirectory() as folder:
         path = write_checkpoint(args.model, folder)
         engine = LLMEngine(EngineConfig(model=path, device=args.device, num_threads=args.threads,
                                         attention_backend=args.backend, max_num_seqs=args.num_seqs,
-                                        enable_prefix_caching=False, show_progress=False))
+                                        enable_prefix_caching=False, show_progress=False,
+                                        enforce_eager=args.enforce_eager))
         if args.split_layers:
             unfuse(engine)
-        timers = steady_decode(engine, args.num_seqs, args.prompt_len, args.steps,
-                               MODELS[args.model]["config"]["vocab_size"])
+        vocab, gpu = MODELS[args.model]["config"]["vocab_size"], {}
+        if cuda:  # untimed parts first: the timers' synchronizes would serialize them
+            start_decode(engine, args.num_seqs, args.prompt_len, 3 * args.steps + args.profile_steps, vocab)
+            gpu = cuda_steps(engine, args.steps) | cuda_kernels(engine, args.profile_steps)
+            timers = instrument(engine)
+            for _ in range(args.steps):
+                engine.step()
+        else:
+            timers = steady_decode(engine, args.num_seqs, args.prompt_len, args.steps, vocab)
     wall, cpu = timers.breakdown(), timers.breakdown(cpu=True)
+    if gpu:
+        print(f"CUDA, {args.steps} uninstrumented steps: {gpu['wall_ms']:.3f} ms wall, {gpu['gpu_ms']:.3f} ms GPU "
+              f"per step; per step: {gpu['kernels_per_step']:.0f} kernels, host calls {gpu['host_calls_per_step']}")
+        for k in gpu["top_kernels"]:
+            print(f"  {k['ms_per_step']:8.3f} ms {k['calls_per_step']:6.1f}x  {k['name']}")
     print(f"{args.model}, {args.num_seqs} decoding sequences, {args.threads} threads, {args.steps} steps "
           f"({args.num_seqs * 1e3 / wall['step']:.0f} tok/s); ms per step, wall and process CPU time:")
     for part in wall:
         print(f"  {part:<16} {wall[part]:8.3f} {cpu[part]:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ms_per_step": wall, "cpu_ms_per_step": cpu}, f, indent=2)
+            json.dump({"args": vars(args), "ms_per_step": wall, "cpu_ms_per_step": cpu, "cuda": gpu}, f, indent=2)
 
 
 if __name__ == "__main__":

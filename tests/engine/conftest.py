@@ -1,6 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints, built once per session, and HF reference outputs."""
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 import transformers
 
+# The engine's device in the exactness tests (loadtest/gpu_check.sh sets cuda); the HF reference stays on CPU.
+TEST_DEVICE = os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")
 VOCAB = 300
 MAX_NEW_TOKENS = 20
 # head_dim 64, one of the compiled attention kernels' head sizes (cuda_ext.HEAD_SIZES).
