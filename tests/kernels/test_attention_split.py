@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cuda_ext
 from cuda_ext import HEAD_SIZES, reference
+from engine.config import EngineConfig
 
 from .paged_batch import DEVICES, make_batch
 
@@ -66,6 +68,24 @@ def test_merge_weights_partitions_by_their_mass():
     maxes, sums = torch.tensor([[0.0], [-200.0]]), torch.tensor([[3.0], [5.0]])
     partials = torch.tensor([[[1.0, 2.0]], [[-9.0, 9.0]]])
     torch.testing.assert_close(reference.merge_partitions(maxes, sums, partials), torch.tensor([[1.0, 2.0]]))
+
+
+def test_attention_kernel_picks_the_op(ext_ops):
+    assert cuda_ext.load_ops("torch", "split").paged_attention is reference.paged_attention_split
+    assert cuda_ext.load_ops("ext", "split").paged_attention is torch.ops.pagedserve.paged_attention_split
+    assert cuda_ext.load_ops("ext").paged_attention is torch.ops.pagedserve.paged_attention
+    with pytest.raises(ValueError, match="attention_kernel"):
+        cuda_ext.load_ops("torch", "fast")
+    with pytest.raises(ValueError, match="attention_kernel"):
+        EngineConfig(attention_kernel="fast")
+
+
+def test_cpu_split_op_runs_the_cpu_kernel(ext_ops):
+    batch = make_batch([1, 600, 90], [1, 1, 30], 8, 2, 64, BLOCK, torch.float32)
+    out, expected = torch.full_like(batch.query, float("nan")), torch.full_like(batch.query, float("nan"))
+    torch.ops.pagedserve.paged_attention_split(*batch.attention_args(out), 7)
+    reference.paged_attention(*batch.attention_args(expected), 7)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 CUDA = [p for p in DEVICES if not isinstance(p, str)]
