@@ -99,7 +99,8 @@ __device__ void partition_scores(const AttentionArgs& a, const int32_t* table, i
     }
 #pragma unroll
     for (int h = 0; h < kMaxGroup; ++h)
-      for (int offset = R::kLanes / 2; offset > 0; offset /= 2) dot[h] += __shfl_xor_sync(kFull, dot[h], offset);
+      if (h < heads)  // uniform over the CTA: every lane shuffles
+        for (int offset = R::kLanes / 2; offset > 0; offset /= 2) dot[h] += __shfl_xor_sync(kFull, dot[h], offset);
     if (c < n && sub == 0)
 #pragma unroll
       for (int h = 0; h < kMaxGroup; ++h)
@@ -152,9 +153,10 @@ __device__ void partition_values(const AttentionArgs& a, const int32_t* table, i
   }
 #pragma unroll
   for (int h = 0; h < kMaxGroup; ++h)
+    if (h < heads)
 #pragma unroll
-    for (int e = 0; e < R::kPerLane * R::kVec; ++e)
-      for (int offset = 16; offset >= R::kLanes; offset /= 2) acc[h][e] += __shfl_xor_sync(kFull, acc[h][e], offset);
+      for (int e = 0; e < R::kPerLane * R::kVec; ++e)
+        for (int offset = 16; offset >= R::kLanes; offset /= 2) acc[h][e] += __shfl_xor_sync(kFull, acc[h][e], offset);
   for (int w = 0; w < kWarps; ++w) {
     if (warp == w && lane < R::kLanes)
 #pragma unroll
