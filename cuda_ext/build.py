@@ -28,7 +28,7 @@ CPU_SOURCES = ("registration.cpp", "cpu/cache_ops.cpp", "cpu/attention.cpp", "cp
                "cpu/argmax.cpp", "cpu/token_bitmask.cpp", "cpu/argmax_screen.cpp", "cpu/argmax_screen_int8.cpp",
                "cpu/decoder_layer.cpp")
 CUDA_SOURCES = ("cuda/bindings.cpp", "cuda/cache_kernels.cu", "cuda/attention_kernels.cu",
-                "cuda/layer_kernels.cu", "cuda/token_bitmask_kernels.cu")
+                "cuda/attention_split.cu", "cuda/layer_kernels.cu", "cuda/token_bitmask_kernels.cu")
 EXTENSION_NAME = "pagedserve_kernels"
 PREBUILT_ENV = "PAGEDSERVE_KERNELS_LIB"
 

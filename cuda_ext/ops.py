@@ -41,8 +41,15 @@ class KernelOps:
     llama_decoder_layer: Callable[..., torch.Tensor] | None
 
 
-def load_ops(backend: str = "ext") -> KernelOps:
-    """"ext": the compiled torch.ops.pagedserve ops (built on first use); "torch": the reference."""
+ATTENTION_KERNELS = {"simple": "paged_attention", "split": "paged_attention_split"}
+
+
+def load_ops(backend: str = "ext", attention_kernel: str = "simple") -> KernelOps:
+    """"ext": the compiled torch.ops.pagedserve ops (built on first use); "torch": the reference.
+    attention_kernel picks paged_attention's op: "simple", or "split" (the flash-decoding CUDA kernels; the
+    CPU kernel on the CPU, the reference's model of the split arithmetic under "torch")."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention_kernel {attention_kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)}")
     if backend == "torch":
         module = reference
     elif backend == "ext":
@@ -54,7 +61,7 @@ def load_ops(backend: str = "ext") -> KernelOps:
         raise ValueError(f"unknown kernel backend {backend!r}: expected 'ext' or 'torch'")
     return KernelOps(
         reshape_and_cache=module.reshape_and_cache,
-        paged_attention=module.paged_attention,
+        paged_attention=getattr(module, ATTENTION_KERNELS[attention_kernel]),
         copy_blocks=module.copy_blocks,
         swap_blocks=module.swap_blocks,
         fused_add_rms_norm=module.fused_add_rms_norm,

@@ -165,3 +165,61 @@ def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
     compiled op takes it inside the GEMM)."""
     y = skinny_linear(x, packed, bias, out_features).float()
     return y, row_argmax(y)
+
+
+def paged_attention_split(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    partition_size: int = 512,
+) -> None:
+    """paged_attention as the split CUDA op computes it: a decode row (query length 1) in context partitions of
+    ``partition_size`` tokens, each giving (max, sum-exp, normalised partial out), merged after; longer rows as
+    paged_attention (the prefill kernel's tiles only reorder an exact online softmax)."""
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 - q0 == 1:
+            k = gather_kv(key_cache, block_tables[b], seq_len)
+            v = gather_kv(value_cache, block_tables[b], seq_len)
+            out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, partition_size).to(out.dtype)
+        elif q1 > q0:
+            one = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query_start_loc.device)
+            paged_attention(out[q0:q1], query[q0:q1], key_cache, value_cache, block_tables[b:b + 1],
+                            seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window)
+
+
+def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int,
+                     partition_size: int) -> torch.Tensor:
+    """One decode row q [Hq, D] over dense k / v [Hkv, seq_len, D], fp32 [Hq, D]. Partitions wholly before the
+    window are skipped; the others each see their keys in [first, seq_len)."""
+    seq_len, group = k.shape[1], q.shape[0] // k.shape[0]
+    first = max(0, seq_len - sliding_window) if sliding_window else 0
+    maxes, sums, partials = [], [], []
+    for p in range(first // partition_size, -(-seq_len // partition_size)):
+        lo, hi = max(p * partition_size, first), min((p + 1) * partition_size, seq_len)
+        kp = k[:, lo:hi].repeat_interleave(group, dim=0).float()  # [Hq, n, D]
+        vp = v[:, lo:hi].repeat_interleave(group, dim=0).float()
+        scores = (kp @ (q.float() * scale)[:, :, None])[:, :, 0]  # [Hq, n]
+        m = scores.max(dim=-1).values
+        e = (scores - m[:, None]).exp()
+        maxes.append(m)
+        sums.append(e.sum(dim=-1))
+        partials.append((e[:, None] @ vp)[:, 0] / sums[-1][:, None])
+    if len(partials) == 1:  # the kernel writes a lone partition directly
+        return partials[0]
+    return merge_partitions(torch.stack(maxes), torch.stack(sums), torch.stack(partials))
+
+
+def merge_partitions(maxes: torch.Tensor, sums: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """The merge kernel: partitions' maxes / sums [P, Hq] and normalised outs [P, Hq, D] -> [Hq, D]."""
+    weights = sums * (maxes - maxes.max(dim=0).values).exp()  # each partition's share of the softmax mass
+    return (weights[:, :, None] * partials).sum(dim=0) / weights.sum(dim=0)[:, None]

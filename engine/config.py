@@ -10,6 +10,7 @@ from engine.field_specs import check_fields, spec
 
 PreemptionMode = Literal["recompute", "swap"]
 AttentionBackend = Literal["ext", "torch"]
+AttentionKernel = Literal["simple", "split"]
 KVAllocatorName = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
 
 
@@ -43,6 +44,9 @@ class EngineConfig:
     dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
     device: str = spec("cpu", help="torch device")
     attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
+    attention_kernel: AttentionKernel = spec("simple", help="CUDA paged attention kernel: simple (a CTA per query "
+                                                            "row and head) or split (flash-decoding partitions, "
+                                                            "tensor-core prefill tiles)")
     kv_allocator: KVAllocatorName = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
     enforce_eager: bool = spec(False, help="run every step eagerly: no CUDA graphs for decode-only steps")
     seed: int = spec(0, help="engine sampling seed")

@@ -10,6 +10,10 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, int sliding_window=0) -> ()");
+  // The split (flash-decoding) kernels on CUDA; on the CPU the same kernel as paged_attention.
+  m.def("paged_attention_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
+        "float scale, int sliding_window=0) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -35,6 +39,7 @@ TORCH_LIBRARY(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("reshape_and_cache", &pagedserve::reshape_and_cache_cpu);
   m.impl("paged_attention", &pagedserve::paged_attention_cpu);
+  m.impl("paged_attention_split", &pagedserve::paged_attention_cpu);
   m.impl("copy_blocks", &pagedserve::copy_blocks_cpu);
   m.impl("swap_blocks", &pagedserve::swap_blocks_cpu);
   m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm_cpu);

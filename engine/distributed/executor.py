@@ -40,7 +40,8 @@ _JOIN_S = 10.0
 
 def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner | ModelExecutor]:
     """Resolve ``config``, load the model (this rank's shard) and return what runs the steps."""
-    ops = cuda_ext.load_ops(config.attention_backend)  # built here, once, before any worker loads it
+    # built here, once, before any worker loads it
+    ops = cuda_ext.load_ops(config.attention_backend, config.attention_kernel)
     load = partial(load_model, ops=ops, show_progress=config.show_progress)
     if config.tensor_parallel_size == 1:
         resolved, model = resolve_config(config, load)

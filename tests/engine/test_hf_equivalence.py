@@ -51,3 +51,15 @@ def test_greedy_matches_hf(checkpoint, hf_reference, scenario, backend):
         assert generate(llm, prompts) == hf_reference
         assert llm.engine.stats().prefix_cache_hits_total > 0
     assert stats.num_blocks_free == stats.num_blocks_total  # everything returned to the pool
+
+
+@pytest.mark.parametrize("scenario", ["plain", "chunked"])
+def test_split_attention_kernel_matches_hf(checkpoint, hf_reference, scenario):
+    """attention_kernel="split" reaches every layer: the reference's model of the split kernels decodes exactly."""
+    from cuda_ext import reference
+    from engine.layers.attention import PagedAttention
+
+    llm = make_llm(checkpoint.path, "torch", attention_kernel="split", **SCENARIOS[scenario])
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PagedAttention)]
+    assert layers and all(m.ops.paged_attention is reference.paged_attention_split for m in layers)
+    assert generate(llm, mixed_prompts()) == hf_reference

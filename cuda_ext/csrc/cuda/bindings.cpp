@@ -46,22 +46,61 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   check_cuda(cuda::reshape_and_cache(args, dtype_of(key), current_stream(key.device())), "reshape_and_cache");
 }
 
+cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                   int64_t sliding_window) {
+  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  return {out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+          out.stride(0), out.stride(1), query.stride(0), query.stride(1), key_cache.stride(0), value_cache.stride(0),
+          block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
+          static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(3)),
+          static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window)};
+}
+
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
                           double scale, int64_t sliding_window) {
-  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
-  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
-  const int64_t d = key_cache.size(3);
+  const auto args = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window);
   const c10::DeviceGuard guard(query.device());
-  const cuda::AttentionArgs args{
-      out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-      out.stride(0), out.stride(1), query.stride(0), query.stride(1), key_cache.stride(0), value_cache.stride(0),
-      block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
-      static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(d),
-      static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window)};
   check_cuda(cuda::paged_attention(args, dtype_of(query), current_stream(query.device())), "paged_attention");
+}
+
+// The split kernels read K/V rows with 16-byte loads.
+void check_16_byte_rows(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && cache.stride(0) * cache.element_size() % 16 == 0,
+              "paged_attention_split: ", name, " must start and have its blocks at 16-byte aligned addresses");
+}
+
+// max_query_len and max_seq_len size the grids and the partition scratch: they must bound the batch.
+void paged_attention_split_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
+                                int64_t max_seq_len, double scale, int64_t sliding_window) {
+  const auto attn = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window);
+  check_16_byte_rows(key_cache, "key_cache");
+  check_16_byte_rows(value_cache, "value_cache");
+  TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, "paged_attention_split: max_query_len and max_seq_len must be "
+              ">= 0, got ", max_query_len, " and ", max_seq_len);
+  const c10::DeviceGuard guard(query.device());
+  const int parts = cuda::split_partitions(static_cast<int>(max_seq_len), attn.window);
+  const int64_t seqs = attn.num_seqs, heads = attn.num_heads;
+  const auto options = query.options().dtype(at::kFloat);
+  // One partition writes the output directly: no scratch.
+  const auto stats = at::empty({parts > 1 ? 2 * seqs * heads * parts : 0}, options);
+  const auto partials = at::empty({parts > 1 ? seqs * heads * parts * attn.head_size : 0}, options);
+  const int group = attn.num_heads / attn.num_kv_heads;
+  const cuda::SplitAttentionArgs args{attn, stats.data_ptr<float>(), stats.data_ptr<float>() + seqs * heads * parts,
+                                      partials.data_ptr<float>(), parts,
+                                      (group + cuda::kSplitMaxGroup - 1) / cuda::kSplitMaxGroup,
+                                      static_cast<int>(max_query_len)};
+  check_cuda(cuda::paged_attention_split(args, dtype_of(query), current_stream(query.device())),
+             "paged_attention_split");
 }
 
 void copy_blocks_cuda(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
@@ -169,6 +208,7 @@ at::Tensor masked_row_argmax_cuda(const at::Tensor& logits, const at::Tensor& bi
 TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cuda);
   m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("paged_attention_split", &paged_attention_split_cuda);
   m.impl("copy_blocks", &copy_blocks_cuda);
   m.impl("swap_blocks", &swap_blocks_cuda);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);

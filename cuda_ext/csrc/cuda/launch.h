@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace pagedserve::cuda {
@@ -33,6 +34,27 @@ struct AttentionArgs {
   float scale;
   int window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
 };
+
+// The split kernels (attention_split.cu): decode rows in context partitions of kSplitPartition tokens, each CTA
+// taking up to kSplitMaxGroup query heads of one KV head; a row over several partitions leaves (max, sum-exp,
+// normalised out) per partition in the scratch for the merge kernel. max_query_len / max_seq_len must bound the
+// batch: they size the grids.
+constexpr int kSplitPartition = 512;
+constexpr int kSplitMaxGroup = 8;
+
+struct SplitAttentionArgs {
+  AttentionArgs attn;
+  float* maxes;     // [num_seqs, num_heads, max_partitions]; unused when max_partitions == 1
+  float* sums;      // same shape
+  float* partials;  // [num_seqs, num_heads, max_partitions, head_size]
+  int max_partitions, head_chunks, max_query_len;
+};
+
+// Partitions a decode row of at most max_seq_len keys spans: a window of w keys touches at most ceil(w / P) + 1.
+inline int split_partitions(int max_seq_len, int window) {
+  const int all = std::max(1, (max_seq_len + kSplitPartition - 1) / kSplitPartition);
+  return window > 0 ? std::min(all, (window + kSplitPartition - 1) / kSplitPartition + 1) : all;
+}
 
 struct AddRmsNormArgs {
   void* residual;
@@ -68,6 +90,7 @@ struct TokenBitmaskArgs {
 cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
 cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t paged_attention_split(const SplitAttentionArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream);
