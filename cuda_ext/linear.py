@@ -1,6 +1,7 @@
 """Linear layers on a weight packed once at load, for the skinny GEMM op (csrc/cpu/skinny_gemm.cpp).
 
     packed = cuda_ext.pack_linear(weight, bias)  # None where the op does not apply: keep F.linear
+    packed = cuda_ext.pack_linear(q, bias, scale=scale)  # int8 q [out, in], y = x @ (q * scale[:, None]).T
     y = packed(x)                                # x @ weight.T + bias
     idx = packed.argmax(x)                       # argmax(x @ weight.T + bias) per row, without the logits
 """
@@ -26,16 +27,21 @@ class ArgmaxScreen:
 
 @dataclass(slots=True, frozen=True)
 class PackedLinear:
-    """``y = x @ weight.T + bias`` through ``torch.ops.pagedserve.skinny_linear``."""
+    """``y = x @ weight.T + bias`` through ``torch.ops.pagedserve.skinny_linear``; int8 layers (``scale`` set):
+    ``y = x @ (weight * scale[:, None]).T + bias`` through ``skinny_linear_w8``."""
 
     packed: torch.Tensor  # from pack_linear_weight (panel layout: cuda_ext/README.md)
     bias: torch.Tensor | None
     out_features: int
     screen: ArgmaxScreen | None = None  # an fp32 LM head's, where the CPU has AVX512-BF16
+    scale: torch.Tensor | None = None  # int8 layers: fp32 [out_features], one per output channel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.pagedserve.skinny_linear(rows, self.packed, self.bias, self.out_features)
+        if self.scale is None:
+            y = torch.ops.pagedserve.skinny_linear(rows, self.packed, self.bias, self.out_features)
+        else:
+            y = torch.ops.pagedserve.skinny_linear_w8(rows, self.packed, self.scale, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
     def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -44,6 +50,9 @@ class PackedLinear:
         over the logits; bf16 layers give their bf16-rounded values); ``(self(x), None)`` for other inputs."""
         if x.dim() != 2:
             return self(x), None
+        if self.scale is not None:
+            return torch.ops.pagedserve.skinny_linear_w8_argmax(x, self.packed, self.scale, self.bias,
+                                                                self.out_features)
         return torch.ops.pagedserve.skinny_linear_argmax(x, self.packed, self.bias, self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,18 +65,25 @@ class PackedLinear:
         return self.with_argmax(x)[1]
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False) -> PackedLinear | None:
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False,
+                scale: torch.Tensor | None = None) -> PackedLinear | None:
     """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on
-    AVX512-BF16 CPUs), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads): the layer
+    AVX512-BF16 CPUs; an int8 ``weight`` with its per-output-channel ``scale``, for fp32 or bf16 activations,
+    on any CPU), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads): the layer
     also gets an ArgmaxScreen where the CPU supports one for its dtype (fp32: AVX512-BF16, and the fp32 weight
     is kept row-major; bf16: AVX512-VNNI too, without AMX).
 
     The fp32 op beats MKL's sgemm at every row count measured here (1 to 2048 rows, 2-3x), not just
     decode batches, so it serves prefill too. bf16 runs on AMX tiles from 2 rows where the CPU has them
     (csrc/cpu/skinny_amx.h), on vdpbf16ps below that and elsewhere."""
-    if weight.device.type != "cpu" or not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
+    if weight.device.type != "cpu":
         return None
     weight, bias = weight.detach(), None if bias is None else bias.detach()
+    if scale is not None:
+        scale = scale.detach().reshape(-1).float().contiguous()
+        return PackedLinear(torch.ops.pagedserve.pack_linear_weight(weight), bias, weight.shape[0], scale=scale)
+    if not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
+        return None
     packed, screen = torch.ops.pagedserve.pack_linear_weight(weight), None
     if screen_argmax and torch.ops.pagedserve.argmax_screen_supports(weight.dtype):
         weight = weight.contiguous()
@@ -76,6 +92,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
     return PackedLinear(packed, bias, weight.shape[0], screen)
 
 
-def keep_unpacked(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False) -> None:
+def keep_unpacked(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False,
+                  scale: torch.Tensor | None = None) -> None:
     """``pack_linear`` of the reference backend: it keeps F.linear."""
     return None

@@ -159,6 +159,15 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def skinny_linear_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """x [rows, in] @ (q * scale[:, None]).T (+ bias), the int8 q unpacked from pack_linear_weight's layout; fp32
+    math, the result in x's dtype."""
+    q = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+    y = x.float() @ (q.float() * scale.float()[:, None]).t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """skinny_linear's y widened to fp32 (bf16 layers: their rounded values) and each row's argmax (the

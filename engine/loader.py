@@ -12,6 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import cuda_ext
+from engine import quantized_model
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.activation import SiluAndMul
 from engine.layers.linear import Linear, Shard
@@ -19,12 +20,15 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models import model_class
 from engine.models.config import ModelConfig
+from engine.quantization import quant_config
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: cuda_ext.KernelOps,
-               show_progress: bool = True, tp: TensorParallel | None = None) -> nn.Module:
+               show_progress: bool = True, tp: TensorParallel | None = None,
+               quantization: str | None = None) -> nn.Module:
     """Build the model (this rank's shard of it) without initialising it (meta device), fill every
-    parameter from the checkpoint, then put it on ``ops`` (``use_kernels``)."""
+    parameter from the checkpoint, then put it on ``ops`` (``use_kernels``). Linear layers are quantized as
+    the checkpoint's quantization_config says, or as ``quantization`` asks (engine/quantization.py)."""
     cls = model_class(cfg.architecture)
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
@@ -33,11 +37,14 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
         model = cls(cfg, device, dtype, tp or TensorParallel())
     model.to(dtype).to_empty(device=device)  # cast while on meta: no full-size copy in the default dtype
     model.tie_weights()
+    quant = quant_config(cfg.path, cfg.hf, quantization)
+    quantized = quantized_model.prepare(model, quant)
     loaded = _load_files(model, files, show_progress)
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    quantized_model.finish(quantized, quant, dtype, getattr(model, "packed_modules", {}), cfg.path)
     use_kernels(model, ops)
     return model.eval()
 
@@ -106,7 +113,8 @@ def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dic
     """Copy this rank's part of checkpoint tensor ``name`` (a safetensors slice: nothing else is read)."""
     param_name, part = target
     module_name, _, attr = param_name.rpartition(".")
-    shard_of = getattr(modules[module_name], "checkpoint_shard", None)
+    module = modules[module_name]
+    shard_of = getattr(module, "checkpoint_shard", None)
     shard: Shard | None = shard_of(attr, part) if shard_of is not None else None
     dest = params[param_name].data
     if shard is None:
@@ -115,7 +123,10 @@ def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dic
         dest = dest.narrow(shard.dim, shard.dest_start, shard.size)
         expected = [shard.total if d == shard.dim else n for d, n in enumerate(dest.shape)]
         index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
-    if src.get_shape() != expected:
+    reshaped = module.checkpoint_tensor(name, attr, src, expected) if hasattr(module, "checkpoint_tensor") else None
+    if reshaped is not None:  # a tensor the module reads in another shape (a per-tensor quantization scale)
+        src = reshaped
+    elif src.get_shape() != expected:
         raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(src.get_shape())}, "
                          f"model expects {tuple(expected)} (does config.json match the weights?)")
     dest.copy_(src[index])

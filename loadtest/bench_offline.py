@@ -28,6 +28,11 @@ checkpoint written as GGUF, the requests decoded in one context whose KV cache h
 pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
 the KV cache unified or one stream per request.
 
+``--quantization int8`` (or fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized at
+load (the LM head too), its throughput as ``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
+agreement and KL, teacher-forced on the workload's first prompts: ``loadtest.quant_quality``). ``--dtype``
+sets pagedserve's dtype (both systems), e.g. float32 for a bf16 model on a CPU whose skinny GEMM has no bf16.
+
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
 (by wall time) and its ``config["runs_s"]`` lists every run's (wall, CPU) seconds.
@@ -123,15 +128,19 @@ def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) ->
     return folder
 
 
-def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu") -> dict:
+def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu",
+                      **overrides) -> dict:
+    """The engine's settings; ``overrides``: dtype, quantization (left out when None)."""
     return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
-                enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device)
+                enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device,
+                **{k: v for k, v in overrides.items() if v is not None})
 
 
 def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1,
-                     device: str = "cpu") -> tuple[tuple[float, float], StepTimers]:
+                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers]:
     """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
-    llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(threads, backend, tensor_parallel_size, device))
+    llm = LLM(path, skip_tokenizer_init=True,
+              **pagedserve_config(threads, backend, tensor_parallel_size, device, **overrides))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
     timers = instrument(llm.engine)
     return timed(lambda: _run_pagedserve(llm, requests)), timers
@@ -199,11 +208,24 @@ class Measured:
     timers: StepTimers | None = None
 
 
-def measure_pagedserve(path: str, requests: list[Request], args) -> Measured:
-    tp = args.tensor_parallel_size
-    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device)
-    return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}",
-                    pagedserve_config(args.threads, args.backend, tp, args.device), timers)
+def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None) -> Measured:
+    tp, overrides = args.tensor_parallel_size, dict(dtype=args.dtype, quantization=quantization)
+    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device, **overrides)
+    return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
+                             f"dtype={args.dtype or 'auto'}, quantization={quantization}",
+                    pagedserve_config(args.threads, args.backend, tp, args.device, **overrides), timers)
+
+
+def quantization_quality(path: str, name: str, requests: list[Request], args) -> dict[str, float]:
+    """Greedy agreement and KL of the ``--quantization`` model vs the unquantized one, teacher-forced over
+    the first 8 prompts, in pagedserve's dtype."""
+    from loadtest.quant_quality import agreement_and_kl, dequantized_copy
+
+    dtype = getattr(torch, args.dtype or MODELS[name]["dtype"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    agreement, kl = agreement_and_kl(model, dequantized_copy(model, args.quantization),
+                                     [r.prompt for r in requests[:8]])
+    return dict(greedy_agreement=round(agreement, 4), kl=round(kl, 5))
 
 
 def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
@@ -298,6 +320,9 @@ def run_model(name: str, args, results: list[Result]) -> None:
             print(f"-- {workload}: {len(requests)} requests, mean input {mean_in:.0f}, "
                   f"mean output {tokens / len(requests):.0f}", flush=True)
             systems = {"pagedserve": lambda: measure_pagedserve(path, requests, args)}
+            if args.quantization:
+                systems[f"pagedserve-{args.quantization}"] = lambda: measure_pagedserve(path, requests, args,
+                                                                                        args.quantization)
             if not args.skip_hf_static:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
@@ -310,6 +335,11 @@ def run_model(name: str, args, results: list[Result]) -> None:
                     runs[system].append(measure())
                     print(f"   ({system} run {len(runs[system])}: {tokens / runs[system][-1].seconds[0]:.1f} tok/s)",
                           flush=True)
+            if args.quantization:
+                quality = quantization_quality(path, name, requests, args)
+                print(f"   {args.quantization} vs unquantized (teacher-forced, 8 prompts): {quality}", flush=True)
+                for measured in runs[f"pagedserve-{args.quantization}"]:
+                    measured.config.update(quality)
             for system, measured in runs.items():
                 results.append(_record(name, workload, system, tokens, median_run(measured)))
 
@@ -337,6 +367,10 @@ def summarize(results: list[Result]) -> list[dict]:
         by = {r.system: r.tokens_per_s for r in mine}
         by_cpu = {r.system: r.tokens_per_cpu_s for r in mine}
         row = {"model": key[0], "workload": key[1], **{f"{s}_tok_s": round(v, 1) for s, v in by.items()}}
+        for system in by:
+            if system.startswith("pagedserve-") and "pagedserve" in by:
+                variant = system.removeprefix("pagedserve-")
+                row[f"{variant}_ratio_vs_pagedserve"] = round(by[system] / by["pagedserve"], 2)
         for base in ("hf-static", "hf-continuous", "llama-cpp"):
             if base in by and "pagedserve" in by:
                 row[f"ratio_vs_{base}"] = round(by["pagedserve"] / by[base], 2)
@@ -368,6 +402,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
+    parser.add_argument("--quantization", choices=["int8", "fp8"],
+                        help="also run pagedserve with its linear layers quantized at load (same run, same requests)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="pagedserve's dtype (default: the model's)")
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

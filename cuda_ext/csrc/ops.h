@@ -23,6 +23,13 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
                                                             const c10::optional<at::Tensor>& bias,
                                                             int64_t out_features);
+// int8 weights packed by pack_linear_weight, per-output-channel fp32 scales; x fp32 or bf16.
+at::Tensor skinny_linear_w8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features);
+std::tuple<at::Tensor, at::Tensor> skinny_linear_w8_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                               const at::Tensor& scale,
+                                                               const c10::optional<at::Tensor>& bias,
+                                                               int64_t out_features);
 bool argmax_screen_supports_cpu(at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias);

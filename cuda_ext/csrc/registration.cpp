@@ -29,6 +29,9 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
+  m.def("skinny_linear_w8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("skinny_linear_w8_argmax(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> "
+        "(Tensor, Tensor)");
   m.def("pack_argmax_screen(Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
   m.def("skinny_argmax_screened(Tensor x, Tensor weight, Tensor screen, Tensor bounds, Tensor? bias) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
@@ -52,6 +55,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
   m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);
+  m.impl("skinny_linear_w8", &pagedserve::skinny_linear_w8_cpu);
+  m.impl("skinny_linear_w8_argmax", &pagedserve::skinny_linear_w8_argmax_cpu);
   m.impl("pack_argmax_screen", &pagedserve::pack_argmax_screen_cpu);
   m.impl("skinny_argmax_screened", &pagedserve::skinny_argmax_screened_cpu);
 }

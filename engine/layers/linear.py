@@ -11,6 +11,7 @@ from torch import nn
 
 from cuda_ext import KernelOps, PackedLinear
 from engine.distributed.parallel_state import TensorParallel
+from engine.quantization import QuantMethod, dequantize, quantize, quantized_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +27,67 @@ class Shard:
     dest_start: int = 0
 
 
+_QUANTIZED = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # safetensors' names of the quantized dtypes
+
+
 class Linear(nn.Linear):
-    """nn.Linear that runs on ``packed`` once the model runner packs it (cuda_ext's skinny GEMM on CPU)."""
+    """nn.Linear that runs on ``packed`` once the model runner packs it (cuda_ext's skinny GEMM on CPU).
+
+    Quantized (engine/quantization.py): ``weight`` holds q (int8 or fp8) and ``weight_scale`` its fp32
+    [out_features, 1] scales; otherwise ``weight_scale`` is None."""
 
     packed: PackedLinear | None = None
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("weight_scale", None)
+
+    def hold_quantized(self, dtype: torch.dtype) -> None:
+        """Room for a quantized checkpoint's q in ``dtype`` and its scales, NaN until loaded (so a part of a
+        fused layer the checkpoint lacks shows in ``check_scales``)."""
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.full((self.out_features, 1), torch.nan, device=device),
+                                         requires_grad=False)
+
+    def quantize(self, method: QuantMethod) -> None:
+        """Replaces the loaded weight by its quantized form (an LM head tied to the embedding gets its own)."""
+        q, scale = quantize(self.weight.detach(), method)
+        self.weight, self.weight_scale = (nn.Parameter(t, requires_grad=False) for t in (q, scale))
+
+    def dequantize(self, dtype: torch.dtype) -> None:
+        self.weight = nn.Parameter(dequantize(self.weight, self.weight_scale, dtype), requires_grad=False)
+        self.weight_scale = None
+
+    def checkpoint_tensor(self, name: str, param: str, src, expected: list[int]) -> torch.Tensor | None:
+        """A scale checkpoints store in another shape than ``expected`` ([rows, 1]): one per tensor (widened to
+        every row), or [rows]; None: the loader copies ``src`` (a safetensors slice) as it is."""
+        stored = src.get_dtype() if param == "weight" and src.get_dtype() in _QUANTIZED.values() else None
+        if param == "weight" and stored != (None if self.weight_scale is None else _QUANTIZED[self.weight.dtype]):
+            raise ValueError(f"checkpoint weight {name!r} is {stored or src.get_dtype()}, but config.json's "
+                             "quantization_config " + (f"quantizes it to {self.weight.dtype}" if self.weight_scale
+                                                       is not None else "does not quantize it (none, or ignored)"))
+        if param != "weight_scale":
+            return None
+        shape = src.get_shape()
+        if shape in ([], [1]):
+            return src[...].reshape(1, 1).expand(expected)
+        return src[:].view(-1, 1) if shape == expected[:1] else None
+
     def pack(self, ops: KernelOps) -> None:
-        self.packed = ops.pack_linear(self.weight, self.bias)
+        self.packed = ops.pack_linear(self.weight, self.bias, **self._scale())
+
+    def _scale(self) -> dict:
+        """pack_linear's ``scale`` for an int8 layer (the packed kernels take no fp8)."""
+        return {} if self.weight_scale is None or self.weight.dtype != torch.int8 else {"scale": self.weight_scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+        return self.unpacked(x, self.bias) if self.packed is None else self.packed(x)
+
+    def unpacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return quantized_linear(x, self.weight, self.weight_scale, bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -68,15 +120,15 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def pack(self, ops: KernelOps) -> None:
-        self.packed = ops.pack_linear(self.weight, self.bias if self.tp.size == 1 else None)
+        self.packed = ops.pack_linear(self.weight, self.bias if self.tp.size == 1 else None, **self._scale())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight) if self.packed is None else self.packed(x))
+        y = self.tp.all_reduce(self.unpacked(x, None) if self.packed is None else self.packed(x))
         return y if self.bias is None else y + self.bias
 
     def checkpoint_shard(self, param: str, part: int | None) -> Shard | None:
-        if param == "bias":
+        if param in ("bias", "weight_scale"):  # per output feature: every rank holds them all
             return None
         return Shard(1, self.in_features * self.tp.size, self.tp.rank * self.in_features, self.in_features)

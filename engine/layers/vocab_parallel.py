@@ -55,7 +55,7 @@ class ParallelLMHead(Linear):
         return None if logits is None else logits[..., :self.vocab_size]
 
     def pack(self, ops: KernelOps) -> None:
-        self.packed = ops.pack_linear(self.weight, self.bias, screen_argmax=self.tp.size == 1)
+        self.packed = ops.pack_linear(self.weight, self.bias, screen_argmax=self.tp.size == 1, **self._scale())
 
     def with_argmax(self, x: torch.Tensor, need_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(logits, each row's argmax)``, the argmax fused into the packed GEMM where it can be (one rank;

@@ -111,11 +111,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU), on one rank (a row-parallel layer needs its all-reduce)."""
+        packed (CPU) and unquantized, on one rank (a row-parallel layer needs its all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        unpacked = any(linear.packed is None for linear in linears)
-        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or unpacked:
+        # The compiled layer takes plain packed weights: an int8 one (``scale``) keeps the layer unfused.
+        unfusable = any(linear.packed is None or linear.packed.scale is not None for linear in linears)
+        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or unfusable:
             return
         qkv, o, gate_up, down = (linear.packed for linear in linears)
         norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]

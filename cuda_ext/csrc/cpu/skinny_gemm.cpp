@@ -12,6 +12,11 @@
 // Its logits are fp32: for bf16 layers, the bf16-rounded values widened (what the model's bf16 logits
 // give after .float(), without a second pass over [rows, vocab] to convert them).
 //
+// int8 weights (skinny_linear_w8, any build): panels laid out as fp32's, one signed byte per weight, widened to
+// fp32 in registers; each output column's sum is multiplied by its scale when stored (per-output-channel
+// symmetric quantisation, y = (x @ q.T) * scale + bias). x is fp32, or bf16 widened to fp32 first (the output
+// then rounded to bf16 as the bf16 layer's is).
+//
 // bf16 (builds for AVX512-BF16 CPUs only): a panel is [ceil(K / 2), kPanel, 2], k
 // pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
 // pair of weights per lane and adds both products to the fp32 accumulator.
@@ -39,10 +44,11 @@ namespace {
 
 using namespace skinny;
 
-// dst[0:cols] = src + bias (src is scratch: the bias is added in place), rounded once to the layer's dtype R
-// and stored as O: R itself, or fp32 holding the R value (the LM head's logits).
+// dst[0:cols] = src * scale + bias (src is scratch: both are applied in place; either may be null), rounded
+// once to the layer's dtype R and stored as O: R itself, or fp32 holding the R value (the LM head's logits).
 template <typename R, typename O>
-void store_row(float* src, const float* bias, int64_t cols, O* dst) {
+void store_row(float* src, const float* scale, const float* bias, int64_t cols, O* dst) {
+  if (scale != nullptr) at::vec::map2([](Vec a, Vec b) { return a * b; }, src, src, scale, cols);
   if (bias != nullptr) at::vec::map2([](Vec a, Vec b) { return a + b; }, src, src, bias, cols);
   if constexpr (std::is_same_v<R, float>) {
     std::memcpy(dst, src, cols * sizeof(float));
@@ -113,8 +119,8 @@ class RowBest {
 // Xeon: even at 1 row, ahead from 2): at 1 row the vdpbf16ps tiles keep up with the weight stream.
 inline constexpr int64_t kAmxMinRows = 2;
 
-template <typename S, typename T = typename S::T>
-void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+template <typename S, typename T = typename S::T, typename W = typename S::W>
+void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const W* panel, int64_t k_len, float* out) {
 #ifdef PAGEDSERVE_SKINNY_AMX
   if constexpr (std::is_same_v<S, Bf16Step>)
     if (amx) return amx_block(x, ldx, rows, panel, k_len, out);
@@ -122,11 +128,12 @@ void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const T* panel,
   tile_group<S>(rows, x, ldx, panel, k_len, out);
 }
 
-// One panel's output rows; with ``best``, each row's columns also go into its running argmax (fp32 output
-// only). ``amx``: x has whole 16-row blocks (padded past m) and the thread's tiles are configured.
-template <typename S, typename O, typename T = typename S::T>
-void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const T* panel, const float* bias, int64_t p,
-               int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx) {
+// One panel's output rows, of a layer in dtype R; with ``best``, each row's columns also go into its running
+// argmax (fp32 output only). ``amx``: x has whole 16-row blocks (padded past m) and the thread's tiles are
+// configured.
+template <typename S, typename R, typename O, typename T = typename S::T, typename W = typename S::W>
+void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const W* panel, const float* scale,
+               const float* bias, int64_t p, int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx) {
   float tmp[std::max(kGroupRows, int64_t{16}) * kPanel];
   const int64_t group = amx ? 16 : kGroupRows;
   for (int64_t g0 = 0; g0 < m; g0 += group) {
@@ -134,7 +141,7 @@ void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const T* pane
     group_tile<S>(amx, rows, xp + g0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r) {
       O* out = yp + (g0 + r) * ldy + p * kPanel;
-      store_row<T>(tmp + r * kPanel, bias, cols, out);
+      store_row<R>(tmp + r * kPanel, scale, bias, cols, out);
       if constexpr (std::is_same_v<O, float>)
         if (best != nullptr) best->update(g0 + r, out, p * kPanel, cols);
     }
@@ -160,24 +167,25 @@ std::tuple<const T*, int64_t, bool> amx_rows(const at::Tensor& x, std::vector<T>
   return {x.data_ptr<T>(), ldx, false};
 }
 
-// With ``chunks`` (one entry per panel), the thread that computes panels [begin, end) leaves its rows'
-// argmax in chunks[begin].
-template <typename S, typename O = typename S::T, typename T = typename S::T>
+// y = x @ the packed layer (in dtype R, its bias too) [* scale, per column], as O. With ``chunks`` (one entry
+// per panel), the thread that computes panels [begin, end) leaves its rows' argmax in chunks[begin].
+template <typename S, typename R = typename S::T, typename O = R, typename T = typename S::T,
+          typename W = typename S::W>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-         std::vector<RowBest::Result>* chunks = nullptr) {
+         std::vector<RowBest::Result>* chunks = nullptr, const float* scale = nullptr) {
   const int64_t m = x.size(0), out_features = y.size(1), panels = packed.size(0),
                 panel_numel = packed.size(1) * packed.size(2);  // not packed[0].numel(): a tensor per call
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     bias_f.resize(panels * kPanel);
-    at::vec::convert(bias->data_ptr<T>(), bias_f.data(), out_features);
+    at::vec::convert(bias->data_ptr<R>(), bias_f.data(), out_features);
   }
   std::vector<T> padded;
   const T* xp;
   int64_t ldx;
   bool amx;
   std::tie(xp, ldx, amx) = amx_rows<S>(x, padded);  // not structured bindings: C++17 lambdas cannot capture them
-  const T* pk = packed.data_ptr<T>();
+  const W* pk = packed.data_ptr<W>();
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     std::optional<RowBest> best;
@@ -187,10 +195,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
     if (amx) tiles.emplace();
 #endif
     for (int64_t p = begin; p < end; ++p)
-      run_panel<S, O>(xp, m, ldx, x.size(1), pk + p * panel_numel,
-                      bias_f.empty() ? nullptr : bias_f.data() + p * kPanel,
-                      p, std::min(kPanel, out_features - p * kPanel), y.data_ptr<O>(), y.stride(0),
-                      best ? &*best : nullptr, amx);
+      run_panel<S, R, O>(xp, m, ldx, x.size(1), pk + p * panel_numel, scale == nullptr ? nullptr : scale + p * kPanel,
+                         bias_f.empty() ? nullptr : bias_f.data() + p * kPanel,
+                         p, std::min(kPanel, out_features - p * kPanel), y.data_ptr<O>(), y.stride(0),
+                         best ? &*best : nullptr, amx);
     if (best) (*chunks)[begin] = best->result();
   });
 }
@@ -223,13 +231,14 @@ bool skinny_linear_supports_cpu(at::ScalarType dtype) {
 }
 
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && skinny_linear_supports_cpu(weight.scalar_type()),
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (skinny_linear_supports_cpu(dtype) || dtype == at::kChar),
               "pack_linear_weight: weight must be [out_features, in_features] in a dtype this build supports "
-              "(fp32; bf16 on AVX512-BF16 CPUs), got ", weight.scalar_type(), " ", weight.sizes());
+              "(fp32, int8; bf16 on AVX512-BF16 CPUs), got ", dtype, " ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   // Zero rows pad the last panel, so the kernel never branches on the column count.
   const at::Tensor padded = at::constant_pad_nd(weight, {0, 0, 0, panels * kPanel - n}, 0);
-  if (weight.scalar_type() == at::kFloat) return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  if (dtype != at::kBFloat16) return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
   // bf16: an even K, then k pairs interleaved: [panels, K / 2, kPanel, 2] stored as [panels, K / 2, 2 * kPanel].
   const int64_t pairs = (k + 1) / 2;
   const at::Tensor even = at::constant_pad_nd(padded, {0, 2 * pairs - k}, 0);
@@ -281,10 +290,82 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x,
   std::vector<RowBest::Result> chunks(packed.size(0));
 #ifdef PAGEDSERVE_SKINNY_BF16
   if (x.scalar_type() == at::kBFloat16)
-    run<Bf16Step, float>(x, packed, bias, y, &chunks);
+    run<Bf16Step, BFloat16, float>(x, packed, bias, y, &chunks);
   else
 #endif
     run<F32Step>(x, packed, bias, y, &chunks);
+  return {y, combine_chunks(chunks, y)};
+}
+
+namespace {
+
+void check_w8_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.stride(1) == 1,
+              "skinny_linear_w8: x must be fp32 or bf16 [rows, in_features] with a dense last dim, got ", dtype, " ",
+              x.sizes(), " strides ", x.strides());
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(0) == panels && packed.size(1) == x.size(1) && packed.size(2) == kPanel,
+              "skinny_linear_w8: packed weight ", packed.scalar_type(), " ", packed.sizes(), " does not fit x ",
+              x.sizes(), " and out_features ", out_features, " (expected int8 [", panels, ", ", x.size(1), ", ", kPanel,
+              "] from pack_linear_weight)");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out_features && scale.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat,
+              "skinny_linear_w8: scale must be contiguous fp32 [", out_features, "], got ", scale.scalar_type(), " ",
+              scale.sizes());
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                    bias->scalar_type() == dtype,
+                "skinny_linear_w8: bias must be contiguous ", dtype, " [", out_features, "]");
+}
+
+// x as W8Step reads it: fp32 (bf16 rows widened into ``wide``, by hand: see amx_rows).
+at::Tensor as_fp32(const at::Tensor& x, std::vector<float>& wide) {
+  if (x.scalar_type() == at::kFloat) return x;
+  const int64_t m = x.size(0), k = x.size(1);
+  wide.resize(m * k);
+  for (int64_t r = 0; r < m; ++r) at::vec::convert(x.data_ptr<BFloat16>() + r * x.stride(0), wide.data() + r * k, k);
+  return at::from_blob(wide.data(), {m, k}, x.options().dtype(at::kFloat));
+}
+
+// y (O: the layer's dtype R, or fp32 for the argmax's logits) of the int8 layer.
+template <typename R, typename O = R>
+void run_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+            const c10::optional<at::Tensor>& bias, at::Tensor& y, std::vector<RowBest::Result>* chunks = nullptr) {
+  std::vector<float> wide;
+  run<W8Step, R, O>(as_fp32(x, wide), packed, bias, y, chunks, scale.data_ptr<float>());
+}
+
+}  // namespace
+
+at::Tensor skinny_linear_w8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_w8_inputs(x, packed, scale, bias, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kBFloat16)
+    run_w8<BFloat16>(x, packed, scale, bias, y);
+  else
+    run_w8<float>(x, packed, scale, bias, y);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> skinny_linear_w8_argmax_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                                               const at::Tensor& scale,
+                                                               const c10::optional<at::Tensor>& bias,
+                                                               int64_t out_features) {
+  TORCH_CHECK(out_features > 0 && out_features < (int64_t{1} << 24),
+              "skinny_linear_w8_argmax: 0 < out_features < 2^24, got ", out_features);
+  check_w8_inputs(x, packed, scale, bias, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return {y, at::empty({0}, x.options().dtype(at::kLong))};
+  std::vector<RowBest::Result> chunks(packed.size(0));
+  if (x.scalar_type() == at::kBFloat16)
+    run_w8<BFloat16, float>(x, packed, scale, bias, y, &chunks);
+  else
+    run_w8<float>(x, packed, scale, bias, y, &chunks);
   return {y, combine_chunks(chunks, y)};
 }
 

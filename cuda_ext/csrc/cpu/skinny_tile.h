@@ -1,6 +1,7 @@
 // The skinny GEMM's register tiles (skinny_gemm.cpp, argmax_screen*.cpp): out[r, 0:kPanel] = sum_k x[r, k] *
 // panel[k, 0:kPanel] for up to kRows rows, the panel packed by pack_linear_weight. One "step" struct per
-// element type: fp32 (FMA), bf16 (vdpbf16ps, AVX512-BF16 builds) and bytes (vpdpbusd).
+// element type: fp32 (FMA), int8 weights widened to fp32 (FMA), bf16 (vdpbf16ps, AVX512-BF16 builds) and bytes
+// (vpdpbusd).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -9,9 +10,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define PAGEDSERVE_SKINNY_BF16 1
 #endif
 
@@ -28,30 +32,54 @@ inline constexpr int64_t kRows = kW == 16 ? 6 : 4;  // rows of x per register ti
 inline constexpr int64_t kMinWorkPerThread = 1 << 20;  // multiply-adds (~12 us of fp32 AVX-512) worth a thread
 
 // One element type's k step of the micro-kernel: the panel's kPanelVecs weight
-// operands, x's broadcast operand and the multiply-add into an fp32 accumulator.
+// operands, x's broadcast operand and the multiply-add into an fp32 accumulator. T: x's element type, W: the
+// panel's.
 struct F32Step {
   using T = float;
+  using W = float;
   using Acc = Vec;
   using Operand = Vec;
   static constexpr int64_t kDepth = 1;  // k values per step
   static Acc zero() { return Vec(0.f); }
   static Acc load(const float* src) { return Vec::loadu(src); }
-  static Operand weights(const T* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
+  static Operand weights(const W* panel, int64_t k, int64_t v) { return Vec::loadu(panel + k * kPanel + v * kW); }
   static Operand broadcast(const T* row, int64_t k) { return Vec(row[k]); }
   static Operand broadcast_last(const T* row, int64_t k) { return broadcast(row, k); }
   static Acc madd(Acc acc, Operand a, Operand w) { return at::vec::fmadd(a, w, acc); }
   static void store(float* out, Acc acc) { acc.store(out); }
 };
 
+// kW int8 weights widened to fp32 (exact).
+inline Vec widen_int8(const int8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+#else
+  float wide[kW];
+  for (int64_t i = 0; i < kW; ++i) wide[i] = src[i];
+  return Vec::loadu(wide);
+#endif
+}
+
+// int8 weights, fp32 x (skinny_linear_w8): the panel is [K, kPanel] int8, a quarter of the fp32 panel's bytes
+// (the decode GEMM streams its weights from memory), widened in registers; the per-column scale multiplies
+// the sums once, when they are stored.
+struct W8Step : F32Step {
+  using W = int8_t;
+  static Operand weights(const W* panel, int64_t k, int64_t v) { return widen_int8(panel + k * kPanel + v * kW); }
+};
+
 #ifdef PAGEDSERVE_SKINNY_BF16
 struct Bf16Step {
   using T = BFloat16;
+  using W = BFloat16;
   using Acc = __m512;
   using Operand = __m512bh;
   static constexpr int64_t kDepth = 2;
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc load(const float* src) { return _mm512_loadu_ps(src); }
-  static Operand weights(const T* panel, int64_t k, int64_t v) {
+  static Operand weights(const W* panel, int64_t k, int64_t v) {
     return (__m512bh)_mm512_loadu_si512(panel + (k / 2 * kPanel + v * kW) * 2);
   }
   // x[r, k], x[r, k + 1] as one 32-bit lane: one load-and-broadcast (K is even in practice).
@@ -74,12 +102,13 @@ struct Bf16Step {
 // screen's bound allows for).
 struct I8Step {
   using T = uint8_t;
+  using W = T;  // the panel's signed bytes, as argmax_screen_int8.cpp stores them
   using Acc = __m512i;
   using Operand = __m512i;
   static constexpr int64_t kDepth = 4;
   static Acc zero() { return _mm512_setzero_si512(); }
   static Acc load(const float* src) { return _mm512_cvtps_epi32(_mm512_loadu_ps(src)); }
-  static Operand weights(const T* panel, int64_t k, int64_t v) {
+  static Operand weights(const W* panel, int64_t k, int64_t v) {
     return _mm512_loadu_si512(panel + (k / 4 * kPanel + v * kW) * 4);
   }
   static Operand broadcast(const T* row, int64_t k) {
@@ -95,7 +124,7 @@ struct I8Step {
 
 // Bytes of a panel per k step.
 template <typename S>
-inline constexpr int64_t kDepthBytes = S::kDepth * kPanel * int64_t{sizeof(typename S::T)};
+inline constexpr int64_t kDepthBytes = S::kDepth * kPanel * int64_t{sizeof(typename S::W)};
 
 // Weights fetched by hand ahead of their use: ``lines`` cache lines per k step, from ``next`` on.
 struct Prefetch {
@@ -106,7 +135,7 @@ struct Prefetch {
 // acc[r] += x[r, k:k + kDepth] * panel[k:k + kDepth, 0:kPanel] for R rows (kLast: the last k of an odd K).
 template <typename S, int64_t R, bool kLast = false>
 inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x, int64_t ldx,
-                   const typename S::T* panel, int64_t k, Prefetch& ahead) {
+                   const typename S::W* panel, int64_t k, Prefetch& ahead) {
   for (int64_t i = 0; i < ahead.lines; ++i, ahead.next += 64) _mm_prefetch(ahead.next, _MM_HINT_T0);
   typename S::Operand w[kPanelVecs];
 #pragma GCC unroll 4
@@ -122,7 +151,7 @@ inline void k_step(typename S::Acc (&acc)[R][kPanelVecs], const typename S::T* x
 // out[r, 0:kPanel] (+)= sum_k x[r, k] * panel[k, 0:kPanel] for R rows (out: [R, kPanel]; ``accumulate``: add
 // to what out holds). ``ahead``: see Prefetch.
 template <typename S, int64_t R>
-void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len, float* out,
+void tile(const typename S::T* x, int64_t ldx, const typename S::W* panel, int64_t k_len, float* out,
           bool accumulate, Prefetch& ahead) {
   typename S::Acc acc[R][kPanelVecs];
 #pragma GCC unroll 8
@@ -137,14 +166,14 @@ void tile(const typename S::T* x, int64_t ldx, const typename S::T* panel, int64
 }
 
 template <typename S>
-void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::W* panel, int64_t k_len,
                float* out) {
   Prefetch none;
   tile_rows<S>(rows, x, ldx, panel, k_len, out, false, none);
 }
 
 template <typename S>
-void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::T* panel, int64_t k_len,
+void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename S::W* panel, int64_t k_len,
                float* out, bool accumulate, Prefetch& ahead) {
   switch (rows) {
     case 1: return tile<S, 1>(x, ldx, panel, k_len, out, accumulate, ahead);
@@ -163,9 +192,29 @@ void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename
 inline constexpr int64_t kChunkBytes = 8 << 10;
 inline constexpr int64_t kGroupRows = 8 * kRows;  // rows sharing the chunks (their sums fill run_panel's scratch)
 
+// tile_group of int8 panels past one register tile of rows: each chunk is widened to fp32 once, into L1, for
+// the fp32 tiles of every row block (widening it in each block's tiles made 16 rows slower than fp32 weights).
+inline void widened_group(int64_t rows, const float* x, int64_t ldx, const int8_t* panel, int64_t k_len,
+                          float* out) {
+  constexpr int64_t chunk = kChunkBytes / (kPanel * int64_t{sizeof(float)});
+  alignas(64) float wide[chunk * kPanel];
+  Prefetch none;
+  for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {
+    const int64_t n = std::min(chunk, k_len - k0);
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t v = 0; v < kPanelVecs; ++v)
+        W8Step::weights(panel + k0 * kPanel, k, v).store(wide + k * kPanel + v * kW);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+      tile_rows<F32Step>(std::min(kRows, rows - r0), x + r0 * ldx + k0, ldx, wide, n, out + r0 * kPanel, k0 > 0,
+                         none);
+  }
+}
+
 // out[0:rows, 0:kPanel] = x[0:rows, 0:k_len] @ panel through the register tiles, rows <= kGroupRows.
-template <typename S, typename T = typename S::T>
-void tile_group(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k_len, float* out) {
+template <typename S, typename T = typename S::T, typename W = typename S::W>
+void tile_group(int64_t rows, const T* x, int64_t ldx, const W* panel, int64_t k_len, float* out) {
+  if constexpr (std::is_same_v<S, W8Step>)
+    if (rows > kRows) return widened_group(rows, x, ldx, panel, k_len, out);
   constexpr int64_t chunk = kChunkBytes / kDepthBytes<S> * S::kDepth, lines = kDepthBytes<S> / 64;
   const int64_t blocks = (rows + kRows - 1) / kRows;
   for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {

@@ -1,0 +1,144 @@
+"""Quantized linear weights: the format a checkpoint's ``quantization_config`` describes (compressed-tensors int8
+and fp8, the ``fp8`` method), or int8/fp8 made at load (``EngineConfig.quantization``), and the helpers that
+quantize and dequantize them.
+
+Every supported scheme is symmetric, per output channel (or per tensor, widened to per channel at load):
+``weight = q * weight_scale`` with q int8 or float8_e4m3fn [out, in] and weight_scale fp32 [out, 1]."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+QuantMethod = Literal["int8", "fp8"]
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_QMAX = {"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m3fn).max}
+# compressed-tensors formats that store one plain int8 / fp8 tensor per weight (pack-quantized packs int32s).
+_CT_FORMATS = {"int": ("int-quantized", "naive-quantized"), "float": ("float-quantized", "naive-quantized")}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    method: QuantMethod
+    in_checkpoint: bool  # the checkpoint stores q and weight_scale; else the loaded weights are quantized
+    ignore: tuple[str, ...] = ()  # modules kept unquantized: checkpoint names, or "re:" + a regex
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return WEIGHT_DTYPES[self.method]
+
+    def ignores(self, module_names: list[str]) -> bool:
+        """Whether the layer whose checkpoint modules are ``module_names`` (a fused layer's parts) stays
+        unquantized; parts that disagree cannot share one weight."""
+        ignored = {any(_matches(name, pattern) for pattern in self.ignore) for name in module_names}
+        if len(ignored) > 1:
+            raise ValueError(f"quantization_config.ignore lists some of {module_names} but not all: their "
+                             "weights are fused into one layer here")
+        return ignored.pop()
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json ``quantization_config``), or ``requested`` ("int8" | "fp8")
+    made at load from an unquantized checkpoint; None for neither. A config this engine cannot run is a
+    ValueError naming its field."""
+    raw = hf.get("quantization_config")
+    if raw is None:
+        return None if requested is None else QuantConfig(requested, in_checkpoint=False)
+    where = f"{path}/config.json: quantization_config"
+    method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        config = _compressed_tensors(where, raw)
+    elif method == "fp8":
+        config = _fp8_method(where, raw)
+    else:
+        raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8, fp8)")
+    if requested not in (None, config.method):
+        raise ValueError(f"quantization={requested!r}, but {where} stores {config.method} weights")
+    return config
+
+
+def _compressed_tensors(where: str, raw: dict) -> QuantConfig:
+    groups = raw.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}.config_groups: exactly one group is supported, got {len(groups)}")
+    name, group = next(iter(groups.items()))
+    at = f"{where}.config_groups.{name}"
+    if group.get("targets") != ["Linear"]:
+        raise ValueError(f"{at}.targets must be ['Linear'], got {group.get('targets')!r}")
+    weights = group.get("weights") or {}
+    kind = weights.get("type")
+    _require(at + ".weights.type", kind, ("int", "float"))
+    _require(at + ".weights.num_bits", weights.get("num_bits"), (8,))
+    _require(at + ".weights.symmetric", weights.get("symmetric"), (True,))
+    _require(at + ".weights.strategy", weights.get("strategy"), ("channel", "tensor"))
+    _require(at + ".weights.group_size", weights.get("group_size"), (None, -1))
+    _require(at + ".weights.dynamic", weights.get("dynamic", False), (False,))
+    _require(at + ".format", group.get("format") or raw.get("format"), _CT_FORMATS[kind])
+    _check_activations(at + ".input_activations", group.get("input_activations"))
+    _require(where + ".kv_cache_scheme", raw.get("kv_cache_scheme"), (None,))
+    return QuantConfig("int8" if kind == "int" else "fp8", True, tuple(raw.get("ignore") or ()))
+
+
+def _check_activations(at: str, activations: dict | None) -> None:
+    """Weight-only here: activations stay in the model's dtype, so only dynamic activation quantisation (no
+    input_scale tensors) can be left out."""
+    if activations is not None:
+        _require(at + ".dynamic", activations.get("dynamic"), (True,))
+
+
+def _fp8_method(where: str, raw: dict) -> QuantConfig:
+    _require(where + ".fmt", raw.get("fmt", "e4m3"), ("e4m3",))
+    _require(where + ".activation_scheme", raw.get("activation_scheme", "dynamic"), ("dynamic",))
+    _require(where + ".weight_block_size", raw.get("weight_block_size"), (None,))
+    ignore = raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ()
+    return QuantConfig("fp8", True, tuple(ignore))
+
+
+def _require(field: str, value, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+        raise ValueError(f"{field} = {value!r} is not supported (supported: {', '.join(map(repr, allowed))})")
+
+
+def quantize(weight: torch.Tensor, method: QuantMethod) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, weight_scale [out, 1] fp32): symmetric per-output-channel absmax, q = round(weight / scale)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / _QMAX[method]).clamp(min=torch.finfo(torch.float32).tiny)
+    q = w / scale
+    q = q.round().clamp(-127, 127) if method == "int8" else q.clamp(-_QMAX[method], _QMAX[method])
+    return q.to(WEIGHT_DTYPES[method]), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale (fp32 math), as ``dtype``."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (q * scale).T + bias where no packed kernel runs it (GPUs, the reference backend): fp8 through
+    ``torch._scaled_mm`` on GPUs with fp8 tensor cores (compute capability 8.9+; x quantised per row, the weight
+    scales per column), else the weight dequantised for one matmul."""
+    if q.dtype == torch.float8_e4m3fn and _scaled_mm_runs(x, q):
+        return _fp8_matmul(x, q, scale, bias)
+    return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype), bias)
+
+
+def _scaled_mm_runs(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Row-wise scaled fp8 GEMMs: fp8 tensor cores, bf16 output, both weight dims multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def _fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    x_q, x_scale = quantize(rows, "fp8")
+    y = torch._scaled_mm(x_q, q.t(), scale_a=x_scale, scale_b=scale.float().view(1, -1), bias=bias,
+                         out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], q.shape[0])

@@ -1,0 +1,68 @@
+"""A QuantConfig applied to a model's linear layers, around the checkpoint load (engine/loader.py):
+``prepare`` before it (room for a quantized checkpoint's q and scales), ``finish`` after it (the loaded weights
+quantized, or the checkpoint's scales checked; fp8 dequantized where no kernel runs it)."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from engine.layers.linear import Linear
+from engine.quantization import QuantConfig
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(model: nn.Module, quant: QuantConfig | None) -> dict[str, Linear]:
+    """The layers ``quant`` quantizes, by module name (none without it); for a quantized checkpoint each gets
+    room for its q and scales. A checkpoint's LM head tied to the embedding stays as the embedding is."""
+    if quant is None:
+        return {}
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, Linear)
+              and not quant.ignores(checkpoint_modules(name, packed))
+              and not (quant.in_checkpoint and uses[id(layer.weight)] > 1)}
+    if quant.in_checkpoint:
+        for layer in layers.values():
+            layer.hold_quantized(quant.weight_dtype)
+    return layers
+
+
+def checkpoint_modules(name: str, packed: dict[str, tuple[str, int]]) -> list[str]:
+    """The checkpoint's modules behind the engine's module ``name``: a fused layer's parts, in order."""
+    parent, _, leaf = name.rpartition(".")
+    parts = sorted((index, part) for part, (fused, index) in packed.items() if fused == leaf)
+    return [f"{parent}.{part}" if parent else part for _, part in parts] or [name]
+
+
+def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dtype, packed: dict,
+           path: str) -> None:
+    """After the load: quantizes the loaded weights (made at load), or checks the checkpoint's scales; fp8
+    weights off the GPU are then dequantized to ``dtype`` (the CPU kernels run int8 only)."""
+    if quant is None:
+        return
+    for name, layer in layers.items():
+        if quant.in_checkpoint:
+            _check_scales(name, layer, packed, path)
+        else:
+            layer.quantize(quant.method)
+    cpu = [layer for layer in layers.values() if not layer.weight.is_cuda]
+    if quant.method == "fp8" and cpu:
+        logger.info("fp8 weights of %d linear layers dequantized to %s at load (CPU: the skinny GEMM runs int8 "
+                    "weights only)", len(cpu), dtype)
+        for layer in cpu:
+            layer.dequantize(dtype)
+
+
+def _check_scales(name: str, layer: Linear, packed: dict, path: str) -> None:
+    """A NaN scale is a row no checkpoint tensor filled: a fused layer's part lacks its weight_scale."""
+    missing = torch.isnan(layer.weight_scale.view(-1))
+    if not missing.any():
+        return
+    row, parts = int(missing.nonzero()[0]), checkpoint_modules(name, packed)
+    bounds = torch.tensor(getattr(layer, "local_sizes", [layer.out_features])).cumsum(0)
+    part = parts[min(int((bounds <= row).sum()), len(parts) - 1)]
+    raise ValueError(f"checkpoint {path!r} lacks {part}.weight_scale (its quantization_config quantizes {part})")

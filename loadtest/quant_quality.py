@@ -1,0 +1,39 @@
+"""How close a quantized model stays to its unquantized self: teacher-forced next-token agreement and KL, on
+transformers models (the engine's quantized greedy equals transformers on the dequantised weights:
+tests/engine/test_quantization.py)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from engine.quantization import QuantMethod, dequantize, quantize
+
+
+def dequantized_copy(model: transformers.PreTrainedModel, method: QuantMethod) -> transformers.PreTrainedModel:
+    """``model`` with every linear weight (the LM head too, as ``--quantization`` does) replaced by its
+    per-output-channel quantized-then-dequantised value."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in copied.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight = torch.nn.Parameter(dequantize(*quantize(layer.weight, method), layer.weight.dtype),
+                                                  requires_grad=False)
+    return copied
+
+
+@torch.inference_mode()
+def agreement_and_kl(model, quantized, sequences: list[list[int]], start: list[int] | None = None
+                     ) -> tuple[float, float]:
+    """Over every position of ``sequences`` (from ``start[i]`` on, else all): the share where ``quantized``'s
+    next-token argmax is ``model``'s, and the mean KL(model || quantized) of their next-token distributions."""
+    same, kl, count = 0, 0.0, 0
+    for i, sequence in enumerate(sequences):
+        ids, first = torch.tensor([sequence]), 0 if start is None else start[i]
+        p, q = (m(ids).logits[0, first:].float().log_softmax(-1) for m in (model, quantized))
+        same += (p.argmax(-1) == q.argmax(-1)).sum().item()
+        kl += F.kl_div(q, p, log_target=True, reduction="sum").item()
+        count += len(p)
+    return same / count, kl / count

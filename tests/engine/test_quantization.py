@@ -1,0 +1,199 @@
+"""Quantized weights: compressed-tensors int8 / fp8 and fp8-method checkpoints, and int8 made at load, greedy
+token for token equal to transformers run on the dequantised weights; config.json fields and tensors the
+engine cannot run fail at load, naming them."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine.layers.linear import Linear
+from engine.quantization import dequantize, quantize
+from loadtest.quant_quality import agreement_and_kl, dequantized_copy
+from .conftest import MAX_NEW_TOKENS, backends, build_checkpoint, hf_greedy, mixed_prompts
+from .test_hf_equivalence import generate, make_llm
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
+    """compressed-tensors' quantization_config as llm-compressor writes it (W8A8: dynamic per-token
+    activations; this engine runs the weights only)."""
+    scheme = dict(actorder=None, block_structure=None, dynamic=False, group_size=None, num_bits=8,
+                  observer="minmax", observer_kwargs={}, strategy=strategy, symmetric=True, type=kind) | weights
+    activations = dict(dynamic=True, num_bits=8, strategy="token", symmetric=True, type=kind)
+    return {"config_groups": {"group_0": {"input_activations": activations, "output_activations": None,
+                                          "targets": ["Linear"], "weights": scheme}},
+            "format": "int-quantized" if kind == "int" else "float-quantized", "ignore": ["lm_head"],
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+def fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().max().float() / torch.finfo(torch.float8_e4m3fn).max
+    return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantized_tensors(tensors: dict, method: str, per_tensor: bool = False) -> tuple[dict, dict]:
+    """(checkpoint tensors with each decoder linear weight quantized plus its weight_scale, the dequantised
+    weights for the reference model)."""
+    out, dequantised = dict(tensors), {}
+    for name, w in tensors.items():
+        if name.rpartition(".")[0].rpartition(".")[2] in LINEARS and name.endswith(".weight"):
+            q, scale = fp8_per_tensor(w) if per_tensor else quantize(w, method)
+            out[name], out[name + "_scale"] = q, scale
+            dequantised[name] = dequantize(q, scale, torch.float32)
+    return out, dequantised
+
+
+def write_quantized(src: str, folder, method: str, config: dict, per_tensor: bool = False) -> dict:
+    """A quantized copy of checkpoint ``src`` in ``folder``; returns the dequantised weights."""
+    os.makedirs(folder, exist_ok=True)
+    tensors, dequantised = quantized_tensors(load_file(os.path.join(src, "model.safetensors")), method, per_tensor)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf | {"quantization_config": config}, f)
+    return dequantised
+
+
+def with_weights(model: transformers.PreTrainedModel, weights: dict) -> transformers.PreTrainedModel:
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(weights, strict=False)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama-quant"))
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-w8a8")
+    reference = with_weights(llama.hf_model, write_quantized(llama.path, folder, "int8", ct_config()))
+    return str(folder), [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in mixed_prompts()]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_compressed_tensors_int8_matches_hf_on_dequantised_weights(int8_checkpoint, backend):
+    path, expected = int8_checkpoint
+    llm = make_llm(path, backend, enable_prefix_caching=False)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (qkv.out_features, 1)
+    assert (qkv.packed is not None and qkv.packed.scale is not None) == (backend == "ext")
+    assert llm.engine.runner.model.lm_head.weight_scale is None  # ignored: kept as the checkpoint has it
+    assert generate(llm, mixed_prompts()) == expected
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors channel", "fp8 method per tensor"])
+def test_fp8_matches_hf_on_dequantised_weights(llama, tmp_path, layout):
+    per_tensor = layout.endswith("per tensor")
+    fp8_method = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}
+    config = fp8_method if per_tensor else ct_config("float")
+    reference = with_weights(llama.hf_model, write_quantized(llama.path, tmp_path, "fp8", config, per_tensor))
+    llm = make_llm(str(tmp_path), "ext", enable_prefix_caching=False)
+    prompts = mixed_prompts()[:6]
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_quantization_flag_int8(llama, backend):
+    """--quantization int8 on an fp32 checkpoint: every linear layer (the LM head too) per-channel int8; greedy
+    equal to transformers on those weights; close to the unquantized model (agreement far above chance)."""
+    llm = make_llm(llama.path, backend, quantization="int8", enable_prefix_caching=False)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.weight_scale is not None for m in linears)
+    reference = dequantized_copy(llama.hf_model, "int8")
+    prompts = mixed_prompts()
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+    # Teacher-forced on the fp32 model's greedy continuations, from each prompt's last token on.
+    continued = [p + hf_greedy(llama.hf_model, p, MAX_NEW_TOKENS)[:-1] for p in prompts]
+    agreement, kl = agreement_and_kl(llama.hf_model, reference, continued, [len(p) - 1 for p in prompts])
+    print(f"int8 vs fp32 (teacher-forced): greedy agreement {agreement:.3f}, mean KL {kl:.5f}")
+    assert agreement >= 0.85 and kl < 0.1  # measured: 0.934, 0.029
+
+
+def test_quantization_flag_fp8(llama):
+    """--quantization fp8 on CPU: fp8 per channel, dequantized at load (the CPU kernels have no fp8 path)."""
+    llm = make_llm(llama.path, "ext", quantization="fp8", enable_prefix_caching=False)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.weight_scale is None and m.weight.dtype == torch.float32 for m in linears)
+    reference = dequantized_copy(llama.hf_model, "fp8")
+    prompts = mixed_prompts()[:6]
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+
+
+def edited(tmp_path, llama, config: dict | None = None, drop: str | None = None, weights: dict | None = None,
+           **changes) -> str:
+    """A quantized llama checkpoint with ``changes`` to its quantization_config (``config``: another one; its
+    weights scheme updated with ``weights``) and the tensor ``drop`` left out."""
+    config = config or ct_config(**(weights or {}))
+    write_quantized(llama.path, tmp_path, "int8", config | changes)
+    if drop is not None:
+        file = os.path.join(tmp_path, "model.safetensors")
+        tensors = load_file(file)
+        del tensors[drop]
+        save_file(tensors, file, metadata={"format": "pt"})
+    return str(tmp_path)
+
+
+BAD = {
+    "method": (dict(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+    "bits": (dict(weights=dict(num_bits=4)), r"weights.num_bits = 4"),
+    "group": (dict(weights=dict(strategy="group", group_size=128)), r"weights.strategy = 'group'"),
+    "asymmetric": (dict(weights=dict(symmetric=False)), r"weights.symmetric = False"),
+    "packed": (dict(format="pack-quantized"), r"format = 'pack-quantized'"),
+    "kv cache": (dict(kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_unsupported_quantization_config(llama, tmp_path, case):
+    changes, message = BAD[case]
+    with pytest.raises(ValueError, match=message):
+        make_llm(edited(tmp_path, llama, **copy.deepcopy(changes)), "torch")
+
+
+def test_block_wise_fp8_and_static_activations(llama, tmp_path):
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"weight_block_size = \[128, 128\]"):
+        make_llm(edited(tmp_path / "block", llama, config=block), "torch")
+    static = ct_config()
+    static["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    with pytest.raises(ValueError, match=r"input_activations.dynamic = False"):
+        make_llm(edited(tmp_path / "static", llama, config=static), "torch")
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.1.self_attn.k_proj.weight_scale",
+                                    "model.layers.0.mlp.down_proj.weight_scale"])
+def test_missing_scale_tensor(llama, tmp_path, tensor):
+    """A fused layer's part (k of q|k|v) or a whole layer without its scales."""
+    with pytest.raises(ValueError, match=tensor.replace(".", r"\.")):
+        make_llm(edited(tmp_path, llama, drop=tensor), "torch")
+
+
+def test_quantized_weights_without_config(llama, tmp_path):
+    path = edited(tmp_path, llama)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    del hf["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ValueError, match=r"_proj.weight' is I8, but .* does not quantize it"):
+        make_llm(path, "torch")
+
+
+def test_unquantized_weight_of_a_quantized_layer(llama, tmp_path):
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is F32, but .* quantizes it to torch.int8"):
+        make_llm(edited(tmp_path, llama, ignore=[]), "torch")
+
+
+def test_flag_must_match_the_checkpoint(int8_checkpoint):
+    with pytest.raises(ValueError, match="quantization='fp8', but .* stores int8 weights"):
+        make_llm(int8_checkpoint[0], "torch", quantization="fp8")
