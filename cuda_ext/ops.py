@@ -21,7 +21,7 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 @dataclass(slots=True, frozen=True)
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
-    fused_add_rms_norm, rotary_embedding, silu_and_mul, greedy sampling's row_argmax, structured output's
+    fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, greedy sampling's row_argmax, structured output's
     apply_token_bitmask and masked_row_argmax (signatures in cuda_ext.reference), and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
     F.linear;
@@ -34,6 +34,7 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., torch.Tensor]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    gelu_tanh_and_mul: Callable[..., torch.Tensor]
     row_argmax: Callable[[torch.Tensor], torch.Tensor]
     apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     masked_row_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +68,7 @@ def load_ops(backend: str = "ext", attention_kernel: str = "simple") -> KernelOp
         fused_add_rms_norm=module.fused_add_rms_norm,
         rotary_embedding=module.rotary_embedding,
         silu_and_mul=module.silu_and_mul,
+        gelu_tanh_and_mul=module.gelu_tanh_and_mul,
         row_argmax=module.row_argmax,
         apply_token_bitmask=module.apply_token_bitmask,
         masked_row_argmax=module.masked_row_argmax,

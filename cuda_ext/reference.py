@@ -46,13 +46,15 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each sequence's query rows over its paged context, into out.
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context
     is seq_lens[b] tokens including those rows, so row i sits at position
     seq_lens[b] - q_len + i and sees positions [0, that position], or with a sliding window
-    the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). fp32 math.
+    the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). A ``softcap``
+    (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. fp32 math.
     """
     group = query.shape[1] // key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -65,7 +67,7 @@ def paged_attention(
         k = gather_kv(key_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
         v = gather_kv(value_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
         q = query[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
-        scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len - lo]
+        scores = soft_cap((q @ k.transpose(1, 2)) * scale, softcap)  # [Hq, q_len, seq_len - lo]
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
         keys = torch.arange(lo, seq_len, device=query.device)[None, :]
         hidden = keys > positions[:, None]
@@ -73,6 +75,11 @@ def paged_attention(
             hidden |= keys <= positions[:, None] - sliding_window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[q0:q1] = (probs @ v).transpose(0, 1).to(out.dtype)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) in the eager formula's order; 0 = off."""
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -109,6 +116,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] on the last dim."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up] on the last dim (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +201,7 @@ def paged_attention_split(
     max_seq_len: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
     partition_size: int = 512,
 ) -> None:
     """paged_attention as the split CUDA op computes it: a decode row (query length 1) in context partitions of
@@ -199,15 +213,15 @@ def paged_attention_split(
         if q1 - q0 == 1:
             k = gather_kv(key_cache, block_tables[b], seq_len)
             v = gather_kv(value_cache, block_tables[b], seq_len)
-            out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, partition_size).to(out.dtype)
+            out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, softcap, partition_size).to(out.dtype)
         elif q1 > q0:
             one = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query_start_loc.device)
             paged_attention(out[q0:q1], query[q0:q1], key_cache, value_cache, block_tables[b:b + 1],
-                            seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window)
+                            seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window, softcap)
 
 
 def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int,
-                     partition_size: int) -> torch.Tensor:
+                     softcap: float, partition_size: int) -> torch.Tensor:
     """One decode row q [Hq, D] over dense k / v [Hkv, seq_len, D], fp32 [Hq, D]. Partitions wholly before the
     window are skipped; the others each see their keys in [first, seq_len)."""
     seq_len, group = k.shape[1], q.shape[0] // k.shape[0]
@@ -217,7 +231,7 @@ def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         lo, hi = max(p * partition_size, first), min((p + 1) * partition_size, seq_len)
         kp = k[:, lo:hi].repeat_interleave(group, dim=0).float()  # [Hq, n, D]
         vp = v[:, lo:hi].repeat_interleave(group, dim=0).float()
-        scores = (kp @ (q.float() * scale)[:, :, None])[:, :, 0]  # [Hq, n]
+        scores = soft_cap((kp @ (q.float() * scale)[:, :, None])[:, :, 0], softcap)  # [Hq, n]
         m = scores.max(dim=-1).values
         e = (scores - m[:, None]).exp()
         maxes.append(m)

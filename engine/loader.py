@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 import cuda_ext
 from engine import quantized_model
 from engine.distributed.parallel_state import TensorParallel
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import ActAndMul
 from engine.layers.linear import Linear, Shard
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -49,7 +49,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
     return model.eval()
 
 
-_FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, SiluAndMul)
+_FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, ActAndMul)
 
 
 def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:

@@ -141,9 +141,9 @@ inline void check_rotary(const at::Tensor& x, const at::Tensor& positions, const
   check_same_device(positions, x, "rotary_embedding");
 }
 
-inline void check_silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul", "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must be [num_tokens, 2 * d], got ", x.sizes());
+inline void check_act_and_mul(const at::Tensor& x, const char* op) {
+  check_rows(x, op, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, op, ": x must be [num_tokens, 2 * d], got ", x.sizes());
 }
 
 // Structured output's masks: logits [rows, n] (dense last dim), xgrammar's int32 bitmask [k, words] and the k

@@ -13,7 +13,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale,
-                         int64_t sliding_window);
+                         int64_t sliding_window, double softcap);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 bool skinny_linear_supports_cpu(at::ScalarType dtype);
@@ -45,6 +45,7 @@ std::optional<at::Tensor> skinny_argmax_screened_int8_cpu(const at::Tensor& x, c
 at::Tensor fused_add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 at::Tensor row_argmax_cpu(const at::Tensor& x);
 void apply_token_bitmask_cpu(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 at::Tensor masked_row_argmax_cpu(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);

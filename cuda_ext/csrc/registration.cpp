@@ -9,16 +9,18 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, int sliding_window=0) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, int sliding_window=0, "
+        "float softcap=0.0) -> ()");
   // The split (flash-decoding) kernels on CUDA; on the CPU the same kernel as paged_attention.
   m.def("paged_attention_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
-        "float scale, int sliding_window=0) -> ()");
+        "float scale, int sliding_window=0, float softcap=0.0) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("masked_row_argmax(Tensor logits, Tensor bitmask, Tensor rows) -> Tensor");
@@ -48,6 +50,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("fused_add_rms_norm", &pagedserve::fused_add_rms_norm_cpu);
   m.impl("rotary_embedding", &pagedserve::rotary_embedding_cpu);
   m.impl("silu_and_mul", &pagedserve::silu_and_mul_cpu);
+  m.impl("gelu_tanh_and_mul", &pagedserve::gelu_tanh_and_mul_cpu);
   m.impl("row_argmax", &pagedserve::row_argmax_cpu);
   m.impl("apply_token_bitmask", &pagedserve::apply_token_bitmask_cpu);
   m.impl("masked_row_argmax", &pagedserve::masked_row_argmax_cpu);

@@ -24,13 +24,15 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Stateless but for its cache views, which the model runner binds once."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0,
+                 softcap: float = 0.0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # each query sees its last ``sliding_window`` positions; 0: all
+        self.softcap = softcap  # scores capped to softcap * tanh(score / softcap) (Gemma 2); 0: off
         self.ops: KernelOps | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -46,5 +48,5 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                 self.sliding_window)
+                                 self.sliding_window, self.softcap)
         return out.view(q.shape[0], -1)

@@ -1,4 +1,5 @@
-"""RMSNorm with Hugging Face's numerics (normalise in fp32, cast, then scale), optionally fused with the residual add."""
+"""RMSNorm with Hugging Face's numerics (normalise in fp32, cast, then scale), optionally fused with the residual add;
+Gemma's variant (scale by 1 + weight in fp32, then cast)."""
 from __future__ import annotations
 
 import torch
@@ -24,3 +25,17 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:  # one fused op, bit-equal to HF's formula in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (zero-initialised), in fp32 before the cast, as Hugging Face's
+    Gemma norm rounds (Llama's casts first, then scales)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Gemma checkpoints written before transformers listed ``layer_types``: every n-th layer is global, the others
+# slide (Gemma 3 may say its n as ``sliding_window_pattern``).
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
 # Where model families keep their context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -65,8 +68,8 @@ def read_model_config(path: str) -> ModelConfig:
 
 def _layer_windows(path: str, hf: dict) -> tuple[int, ...]:
     """Each layer's sliding window as transformers decides it: ``layer_types`` where the config lists them,
-    else Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else ``sliding_window`` on
-    every layer (Mistral)."""
+    else Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else Gemma's every-n-th-layer
+    global pattern, else ``sliding_window`` on every layer (Mistral)."""
     window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
     if window is None:
         return (0,) * layers
@@ -80,6 +83,9 @@ def _layer_windows(path: str, hf: dict) -> tuple[int, ...]:
     if "use_sliding_window" in hf:
         first = hf.get("max_window_layers", 0) if hf["use_sliding_window"] else layers
         return tuple(window if i >= first else 0 for i in range(layers))
+    every = hf.get("sliding_window_pattern") or _GLOBAL_EVERY.get(hf.get("model_type"))
+    if every:
+        return tuple(0 if (i + 1) % every == 0 else window for i in range(layers))
     return (window,) * layers
 
 

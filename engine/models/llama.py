@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from cuda_ext import KernelOps
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import ActAndMul, SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -20,7 +20,10 @@ from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
+    """``scale`` defaults to head_dim ** -0.5; Gemma passes its own, a logit ``softcap`` and its q/k ``norm``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, *,
+                 scale: float | None = None, softcap: float = 0.0, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         # This rank's heads: its share of the query heads, and of the KV heads (or one replicated KV head).
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
@@ -31,10 +34,11 @@ class LlamaAttention(nn.Module):
                                              [tp.size, kv_splits, kv_splits])
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.hf.get("attention_bias", False), tp)
         eps = cfg.hf["rms_norm_eps"]
-        self.q_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, eps) if qk_norm else None
+        self.q_norm = norm(cfg.head_dim, eps) if qk_norm else None
+        self.k_norm = norm(cfg.head_dim, eps) if qk_norm else None
         window = cfg.layer_windows[layer] if cfg.layer_windows else 0
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                                   cfg.head_dim ** -0.5 if scale is None else scale, window, softcap)
 
     def forward(self, rope: RopeStep, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Heads stay views of the fused projection; rotary runs once over q and k together.
@@ -49,12 +53,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, act: type[ActAndMul] = SiluAndMul) -> None:
         super().__init__()
         inter, bias = cfg.hf["intermediate_size"], cfg.hf.get("mlp_bias", False)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
-        self.act = SiluAndMul()
+        self.act = act()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -154,17 +158,21 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     qkv_bias = False
     qk_norm = False
+    tied_by_default = False  # tie_word_embeddings where config.json omits it
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
+        self.model = self.build_model(cfg, device, dtype, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self.tie_word_embeddings = cfg.hf.get("tie_word_embeddings", self.tied_by_default)
+
+    def build_model(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
         if cfg.hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cfg.architecture}: unsupported hidden_act {cfg.hf['hidden_act']!r} (only silu)")
-        theta, scaling = _rope_params(cfg.hf)
+        theta, scaling = rope_params(cfg.hf)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
         qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
-        self.model = LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        self.tie_word_embeddings = cfg.hf.get("tie_word_embeddings", False)
+        return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -191,7 +199,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-def _rope_params(hf: dict) -> tuple[float, dict | None]:
+def rope_params(hf: dict) -> tuple[float, dict | None]:
     """transformers 5 writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:

@@ -34,6 +34,17 @@ ARCH_CONFIGS = {
     "qwen2-window": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=1, intermediate_size=256,
                                                      use_sliding_window=True, sliding_window=24, max_window_layers=1,
                                                      tie_word_embeddings=True),
+    # Gemma 2: local (window 16) / global layers, attention and final logit soft-capping, a query_pre_attn_scalar
+    # other than head_dim. Untied: tied random embeddings scaled by sqrt(hidden) only ever repeat the last token.
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, num_key_value_heads=1, head_dim=64, intermediate_size=256,
+                                                sliding_window=16, attn_logit_softcapping=5.0,
+                                                final_logit_softcapping=3.0, query_pre_attn_scalar=48,
+                                                tie_word_embeddings=False),
+    # Gemma 3: q/k norms, 5 local (window 20) : 1 global layer, the local RoPE base, linear scaling on the global.
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=1,
+                                                    head_dim=64, intermediate_size=256, sliding_window=20,
+                                                    rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                                    tie_word_embeddings=False),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,
@@ -54,9 +65,18 @@ def build_checkpoint(arch: str, folder, shard: bool = False, config: transformer
     config = config or ARCH_CONFIGS[arch]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    _draw_zero_norms(model)
     # Sharded for one family so multi-file loading is covered.
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="100KB" if shard else "1GB")
     return Checkpoint(str(folder), model)
+
+
+@torch.no_grad()
+def _draw_zero_norms(model: transformers.PreTrainedModel) -> None:
+    """Gemma's norms scale by 1 + weight, initialised to 0: drawn at random instead, so their weights count."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") and not param.any():
+            param.normal_(0.0, 0.5)
 
 
 @pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))

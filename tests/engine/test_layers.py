@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import cuda_ext
 from engine.layers.rotary import rope_inv_freq
-from engine.models.llama import _rope_params
+from engine.models.llama import rope_params
 
 SCALINGS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -25,14 +25,14 @@ def test_rope_frequencies_match_transformers(rope_type):
                                       rope_parameters=SCALINGS[rope_type])
     want, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu") if rope_type != "default" else (
         1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)), None)
-    theta, scaling = _rope_params(config.to_dict())
+    theta, scaling = rope_params(config.to_dict())
     assert torch.equal(rope_inv_freq(64, theta, scaling), want)
 
 
 def test_legacy_rope_config_keys():
     legacy = {"rope_theta": 500000.0, "rope_scaling": SCALINGS["llama3"]}
-    assert _rope_params(legacy) == (500000.0, SCALINGS["llama3"])
-    assert _rope_params({}) == (10000.0, None)
+    assert rope_params(legacy) == (500000.0, SCALINGS["llama3"])
+    assert rope_params({}) == (10000.0, None)
 
 
 def test_unknown_rope_scaling_is_rejected():

@@ -21,11 +21,11 @@ def dtypes_for(device: str) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
 
 
-def run_both(ext_ops, batch, sliding_window: int = 0):
+def run_both(ext_ops, batch, sliding_window: int = 0, softcap: float = 0.0):
     out = torch.full_like(batch.query, float("nan")).contiguous()
     expected = torch.full_like(out, float("nan"))
-    ext_ops.paged_attention(*batch.attention_args(out), sliding_window)
-    reference.paged_attention(*batch.attention_args(expected), sliding_window)
+    ext_ops.paged_attention(*batch.attention_args(out), sliding_window, softcap)
+    reference.paged_attention(*batch.attention_args(expected), sliding_window, softcap)
     return out, expected
 
 
@@ -150,6 +150,42 @@ def test_reference_matches_sdpa_on_dense_kv(dtype, window):
         torch.testing.assert_close(out[starts[b]:starts[b + 1]], dense[0].transpose(0, 1).to(dtype), **TOL[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
+@pytest.mark.parametrize("seed", range(4))
+def test_softcap_matches_reference(ext_ops, device, decode, seed):
+    """Gemma 2's logit soft-capping, with and without a window; queries scaled up so the cap bites."""
+    rng = random.Random(200 + seed * 2 + decode)
+    case = random_case(rng, decode)
+    window, softcap = rng.choice([0, 0, 5, 100]), rng.choice([1.0, 4.0, 50.0])
+    for dtype in dtypes_for(device):
+        batch = make_batch(**case, dtype=dtype, device=device, seed=seed)
+        batch.query.mul_(8.0)
+        out, expected = run_both(ext_ops, batch, window, softcap)
+        torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m: f"{case} cap {softcap} {dtype}: {m}")
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_reference_softcap_matches_eager_formula(window):
+    """transformers' eager Gemma 2 attention: scores * scale, then cap * tanh(scores / cap), mask, softmax."""
+    seq_lens, q_lens, softcap = [1, 33, 48], [1, 33, 5], 2.0
+    batch = make_batch(seq_lens, q_lens, 4, 2, 64, 16, torch.float32)
+    batch.query.mul_(8.0)
+    out, uncapped = torch.empty_like(batch.query), torch.empty_like(batch.query)
+    reference.paged_attention(*batch.attention_args(out), window, softcap)
+    reference.paged_attention(*batch.attention_args(uncapped), window)
+    starts = batch.query_start_loc.tolist()
+    for b, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
+        q = batch.query[starts[b]:starts[b + 1]].transpose(0, 1)
+        k, v = (t.transpose(0, 1).repeat_interleave(2, dim=0) for t in (batch.keys[b], batch.values[b]))
+        scores = torch.tanh(q @ k.transpose(1, 2) * batch.scale / softcap) * softcap
+        keys, positions = torch.arange(n)[None, :], torch.arange(n - q_len, n)[:, None]
+        hidden = (keys > positions) | ((keys <= positions - window) if window else False)
+        dense = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(out[starts[b]:starts[b + 1]], dense.transpose(0, 1), **TOL[torch.float32])
+    assert not torch.allclose(out, uncapped, **TOL[torch.float32])  # the cap changed the result
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -180,6 +216,12 @@ def test_rejects_a_negative_window(ext_ops):
     batch = make_batch([8], [1], 4, 2, 64, 8, torch.float32)
     with pytest.raises(RuntimeError, match="sliding_window must be >= 0"):
         ext_ops.paged_attention(*batch.attention_args(torch.empty_like(batch.query)), -1)
+
+
+def test_rejects_a_negative_softcap(ext_ops):
+    batch = make_batch([8], [1], 4, 2, 64, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        ext_ops.paged_attention(*batch.attention_args(torch.empty_like(batch.query)), 0, -1.0)
 
 
 def test_cpu_rejects_fp16_with_a_clear_error(ext_ops):

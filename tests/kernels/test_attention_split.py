@@ -22,11 +22,11 @@ def lengths_around(partition: int) -> list[int]:
     return [1, BLOCK - 1, BLOCK, BLOCK + 1, partition - 1, partition, partition + 1, 3 * partition + 5, 2100]
 
 
-def split_and_reference(batch, window: int, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_and_reference(batch, window: int, partition: int, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full_like(batch.query, float("nan"))
     expected = torch.full_like(out, float("nan"))
-    reference.paged_attention_split(*batch.attention_args(out), window, partition_size=partition)
-    reference.paged_attention(*batch.attention_args(expected), window)
+    reference.paged_attention_split(*batch.attention_args(out), window, softcap, partition_size=partition)
+    reference.paged_attention(*batch.attention_args(expected), window, softcap)
     return out, expected
 
 
@@ -38,6 +38,15 @@ def test_partition_merge_matches_reference(partition, window, dtype):
     batch = make_batch(lengths, [1] * len(lengths), 8, 2, 64, BLOCK, dtype, seed=partition + window)
     out, expected = split_and_reference(batch, window, partition)
     torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_partition_merge_with_softcap(window):
+    lengths = lengths_around(64)
+    batch = make_batch(lengths, [1] * len(lengths), 8, 2, 64, BLOCK, torch.float32, seed=window)
+    batch.query.mul_(8.0)
+    out, expected = split_and_reference(batch, window, 64, softcap=3.0)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
@@ -107,6 +116,23 @@ def test_cuda_ops_match_reference(ext_ops, device, op, window, head_size):
             getattr(torch.ops.pagedserve, op)(*batch.attention_args(out), window)
             reference.paged_attention(*batch.attention_args(expected), window)
             torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m: f"{op} {dtype} {ratio}: {m}")
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("op", ["paged_attention", "paged_attention_split"])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("head_size", [64, 256])
+def test_cuda_softcap_matches_reference(ext_ops, device, op, window, head_size):
+    """Both CUDA kernels with Gemma 2's logit soft-capping: decode rows over partitions, prefill tiles."""
+    lengths, q_lens = [1, 600, 1300, 48, 300], [1, 1, 1, 48, 70]
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = make_batch(lengths, q_lens, 8, 2, head_size, BLOCK, dtype, device)
+        batch.query.mul_(8.0)
+        out = torch.full_like(batch.query, float("nan"))
+        expected = torch.full_like(out, float("nan"))
+        getattr(torch.ops.pagedserve, op)(*batch.attention_args(out), window, 4.0)
+        reference.paged_attention(*batch.attention_args(expected), window, 4.0)
+        torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m: f"{op} {dtype}: {m}")
 
 
 @pytest.mark.parametrize("device", CUDA)

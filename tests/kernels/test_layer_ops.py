@@ -75,10 +75,19 @@ def test_rotary_matches_hf_formula():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, d", [(1, 688), (9, 4864), (64, 17), (300, 256)])
-def test_silu_and_mul(ext_ops, device, rows, d):
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_act_and_mul(ext_ops, device, rows, d, op):
     for seed, dtype in enumerate(dtypes_for(device)):
         x = randn(rows, 3 * d, seed=seed, dtype=dtype, device=device)[:, d:] * 4  # strided rows, wide range
-        assert_close(ext_ops.silu_and_mul(x), reference.silu_and_mul(x))
+        assert_close(getattr(ext_ops, op)(x), getattr(reference, op)(x))
+
+
+def test_gelu_tanh_reference_is_hf_gelu_pytorch_tanh():
+    from transformers.activations import ACT2FN
+
+    x = randn(5, 64, seed=1, dtype=torch.float32, device="cpu") * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(reference.gelu_tanh_and_mul(x), ACT2FN["gelu_pytorch_tanh"](gate) * up)
 
 
 def test_bad_arguments_are_rejected(ext_ops):
@@ -91,6 +100,8 @@ def test_bad_arguments_are_rejected(ext_ops):
         ext_ops.silu_and_mul(x.half())
     with pytest.raises(RuntimeError, match="2 \\* d"):
         ext_ops.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="gelu_tanh_and_mul: x must be"):
+        ext_ops.gelu_tanh_and_mul(torch.randn(4, 7))
     table = torch.randn(10, 4)
     with pytest.raises(RuntimeError, match="outside the table"):
         ext_ops.rotary_embedding(torch.randn(2, 3, 8), torch.tensor([0, 10]), table, table)

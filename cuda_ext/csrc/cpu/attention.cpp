@@ -59,6 +59,7 @@ struct Problem {
   int64_t group, block_size;
   float scale;
   int64_t window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
+  float softcap;   // scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 = off
 };
 
 struct WorkItem {
@@ -209,6 +210,12 @@ void score_chunk(int64_t n, int64_t rows, Scratch& sc) {
   }
 }
 
+// In place over each row's n scores: softcap * tanh(score / softcap), the eager formula's order.
+void softcap_scores(int64_t rows, int64_t n, float softcap, Scratch& sc) {
+  const auto cap = [softcap](Vec v) { return Vec(softcap) * (v / Vec(softcap)).tanh(); };
+  for (int64_t r = 0; r < rows; ++r) at::vec::map(cap, &sc.s[r * sc.ld], &sc.s[r * sc.ld], n);
+}
+
 // Online softmax over scores [first, valid) of row r (earlier keys are outside its sliding window, later ones
 // causally masked; the earlier ones get probability 0): probabilities in place, running max/sum updated,
 // alpha = accumulator rescale. exp_u20 (ATen's polynomial exp, as in its CPU flash attention) keeps this cheap.
@@ -300,6 +307,7 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& sc) {
       stage_keys<T, D>(kv, b0, b1, sc);
       score_chunk<D>(n, rows, sc);
     }
+    if (p.softcap > 0.f) softcap_scores(rows, n, p.softcap, sc);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + r / p.group;
       softmax_update(r, p.window > 0 ? pos - p.window + 1 - c0 : 0, std::min(n, pos + 1 - c0), sc);
@@ -357,13 +365,13 @@ void dispatch_head_size(const Problem<T>& p, int64_t d, int64_t num_seqs, int64_
 template <typename T>
 void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-            double scale, int64_t window) {
+            double scale, int64_t window, double softcap) {
   const Problem<T> p{query.data_ptr<T>(), out.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                      query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
                      value_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                      block_tables.size(1), key_cache.size(0), seq_lens.data_ptr<int32_t>(),
                      query_start_loc.data_ptr<int32_t>(), query.size(1) / key_cache.size(1), key_cache.size(2),
-                     static_cast<float>(scale), window};
+                     static_cast<float>(scale), window, static_cast<float>(softcap)};
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[block_tables.size(0)] <= query.size(0),
               "query_start_loc must stay within the query's ", query.size(0), " rows");
@@ -375,16 +383,17 @@ void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                         double scale, int64_t sliding_window) {
+                         double scale, int64_t sliding_window, double softcap) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   switch (query.scalar_type()) {
     case at::kFloat:
       return launch<float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window);
+                           sliding_window, softcap);
     case at::kBFloat16:
       return launch<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   sliding_window);
+                                   sliding_window, softcap);
     default: TORCH_CHECK(false, "CPU paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
 }

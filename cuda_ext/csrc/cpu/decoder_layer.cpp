@@ -50,7 +50,7 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                         value_cache, slot_mapping);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len, scale, sliding_window);
+                      max_seq_len, scale, sliding_window, /*softcap=*/0.0);
   const at::Tensor o = skinny_linear_cpu(attn.view({tokens, heads * d}), weights[2], optional.get(1), sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
   const at::Tensor gate_up = skinny_linear_cpu(h, weights[4], optional.get(2), sizes[5]);

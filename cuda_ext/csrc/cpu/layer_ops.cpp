@@ -1,8 +1,8 @@
 // Fused CPU ops of a decoder layer: residual add + RMSNorm, in-place rotary
-// (neox layout), SiLU-and-mul. Rows are split across threads; each row goes
+// (neox layout), SiLU-and-mul and GELU(tanh)-and-mul. Rows are split across threads; each row goes
 // through fp32 scratch with at::vec (vectorised conversions and math). A bf16
 // result is rounded wherever the Hugging Face formula rounds (after the residual
-// add, after normalising, after each rotary product, after SiLU), so bf16
+// add, after normalising, after each rotary product, after the activation), so bf16
 // outputs match the eager model op for op; fp32 math throughout.
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -92,21 +92,29 @@ void rotary_rows(const at::Tensor& x, const int64_t* positions, const T* cos, co
   });
 }
 
-template <typename T>
-void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d) {
+// act(gate) * up for each row [gate | up], act a Vec -> Vec map; act's result rounded to T as the eager
+// formula stores it.
+template <typename T, typename Act>
+void act_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d, Act act) {
   parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
     std::vector<float> g(d), u(d);
     std::vector<T> scratch(d);
     for (int64_t r = begin; r < end; ++r) {
       at::vec::convert(x + r * x_stride, g.data(), d);
       at::vec::convert(x + r * x_stride + d, u.data(), d);
-      // torch's own silu formula, so fp32 matches F.silu.
-      at::vec::map([](Vec v) { return v / (Vec(1.f) + v.neg().exp()); }, g.data(), g.data(), d);
+      at::vec::map(act, g.data(), g.data(), d);
       round_as(g.data(), scratch.data(), d);
       at::vec::map2([](Vec a, Vec b) { return a * b; }, g.data(), g.data(), u.data(), d);
       at::vec::convert(g.data(), out + r * d, d);
     }
   });
+}
+
+// torch's own formulas, so fp32 matches F.silu and F.gelu(approximate="tanh").
+Vec silu(Vec v) { return v / (Vec(1.f) + v.neg().exp()); }
+Vec gelu_tanh(Vec v) {
+  const Vec beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa(0.044715f);
+  return Vec(0.5f) * v * (Vec(1.f) + (beta * (v + kappa * (v * v * v))).tanh());
 }
 
 // Calls fn(T{}) with the storage type of dtype (fp32 or bf16).
@@ -145,15 +153,20 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
   });
 }
 
-at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
-  check_silu_and_mul(x);
+template <typename Act>
+at::Tensor act_and_mul_cpu(const at::Tensor& x, const char* op, Act act) {
+  check_act_and_mul(x, op);
   const int64_t d = x.size(1) / 2;
   auto out = at::empty({x.size(0), d}, x.options());
-  with_dtype(x.scalar_type(), "silu_and_mul", [&](auto zero) {
+  with_dtype(x.scalar_type(), op, [&](auto zero) {
     using T = decltype(zero);
-    silu_and_mul_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), x.size(0), d);
+    act_and_mul_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), x.size(0), d, act);
   });
   return out;
 }
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& x) { return act_and_mul_cpu(x, "silu_and_mul", silu); }
+
+at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x) { return act_and_mul_cpu(x, "gelu_tanh_and_mul", gelu_tanh); }
 
 }  // namespace pagedserve

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionA
     float s = 0.f;
     for (int i = 0; i < kPer; ++i)
       if (lane + 32 * i < D) s += q[i] * to_float(k[lane + 32 * i]);
-    s = warp_sum(s);
+    s = soft_cap(warp_sum(s), a.softcap);
     const float m_new = fmaxf(m, s), alpha = expf(m - m_new), p = expf(s - m_new);
     l = l * alpha + p;
     for (int i = 0; i < kPer; ++i)

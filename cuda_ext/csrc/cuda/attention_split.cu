@@ -73,7 +73,7 @@ __device__ __forceinline__ Partitions partitions_of(const AttentionArgs& a, int 
   return {first_key, first, (seq_len + kPartition - 1) / kPartition - first};
 }
 
-// s_p[h][c] = scaled q_h . k_c for the partition's keys [lo, lo + n).
+// s_p[h][c] = scaled (and soft-capped) q_h . k_c for the partition's keys [lo, lo + n).
 template <typename T, int D>
 __device__ void partition_scores(const AttentionArgs& a, const int32_t* table, int kv_head, int lo, int n,
                                  int heads, const float (*s_q)[D], float (*s_p)[kPartition]) {
@@ -104,7 +104,7 @@ __device__ void partition_scores(const AttentionArgs& a, const int32_t* table, i
     if (c < n && sub == 0)
 #pragma unroll
       for (int h = 0; h < kMaxGroup; ++h)
-        if (h < heads) s_p[h][c] = dot[h];  // a constant index keeps dot in registers
+        if (h < heads) s_p[h][c] = soft_cap(dot[h], a.softcap);  // a constant index keeps dot in registers
   }
 }
 
@@ -342,7 +342,7 @@ __device__ void tile_softmax(const AttentionArgs& a, int rows, int group, int ro
   for (int r = threadIdx.x / 32; r < kTileRows; r += kWarps) {
     const int pos = pos0 + (row0 + r) / group;  // causal: row i of the sequence sits at seq_len - q_len + i
     const bool visible = r < rows && j < hi && j <= pos && (a.window == 0 || j > pos - a.window);
-    const float x = visible ? s[r * kTileKeys + lane] * a.scale : -INFINITY;
+    const float x = visible ? soft_cap(s[r * kTileKeys + lane] * a.scale, a.softcap) : -INFINITY;
     const float m_old = row_max[r], m_new = fmaxf(m_old, warp_max(x));
     const float e = visible ? expf(x - m_new) : 0.f;
     const float alpha = m_new == -INFINITY ? 1.f : expf(m_old - m_new);

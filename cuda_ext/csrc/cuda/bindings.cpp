@@ -49,23 +49,25 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
 cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   int64_t sliding_window) {
+                                   int64_t sliding_window, double softcap) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   return {out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
           block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
           out.stride(0), out.stride(1), query.stride(0), query.stride(1), key_cache.stride(0), value_cache.stride(0),
           block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
           static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(3)),
-          static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window)};
+          static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window),
+          static_cast<float>(softcap)};
 }
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                          double scale, int64_t sliding_window) {
+                          double scale, int64_t sliding_window, double softcap) {
   const auto args = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window);
+                                   scale, sliding_window, softcap);
   const c10::DeviceGuard guard(query.device());
   check_cuda(cuda::paged_attention(args, dtype_of(query), current_stream(query.device())), "paged_attention");
 }
@@ -80,9 +82,9 @@ void check_16_byte_rows(const at::Tensor& cache, const char* name) {
 void paged_attention_split_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
-                                int64_t max_seq_len, double scale, int64_t sliding_window) {
+                                int64_t max_seq_len, double scale, int64_t sliding_window, double softcap) {
   const auto attn = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window);
+                                   scale, sliding_window, softcap);
   check_16_byte_rows(key_cache, "key_cache");
   check_16_byte_rows(value_cache, "value_cache");
   TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, "paged_attention_split: max_query_len and max_seq_len must be "
@@ -159,13 +161,21 @@ void rotary_embedding_cuda(at::Tensor& x, const at::Tensor& positions, const at:
   check_cuda(cuda::rotary_embedding(args, dtype_of(x), current_stream(x.device())), "rotary_embedding");
 }
 
-at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
-  check_silu_and_mul(x);
+using ActAndMulLaunch = cudaError_t (*)(const cuda::ActAndMulArgs&, cuda::Dtype, cudaStream_t);
+
+at::Tensor act_and_mul_cuda(const at::Tensor& x, const char* op, ActAndMulLaunch launch) {
+  check_act_and_mul(x, op);
   const c10::DeviceGuard guard(x.device());
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  const cuda::SiluAndMulArgs args{x.data_ptr(), out.data_ptr(), x.size(0), x.stride(0), x.size(1) / 2};
-  check_cuda(cuda::silu_and_mul(args, dtype_of(x), current_stream(x.device())), "silu_and_mul");
+  const cuda::ActAndMulArgs args{x.data_ptr(), out.data_ptr(), x.size(0), x.stride(0), x.size(1) / 2};
+  check_cuda(launch(args, dtype_of(x), current_stream(x.device())), op);
   return out;
+}
+
+at::Tensor silu_and_mul_cuda(const at::Tensor& x) { return act_and_mul_cuda(x, "silu_and_mul", cuda::silu_and_mul); }
+
+at::Tensor gelu_tanh_and_mul_cuda(const at::Tensor& x) {
+  return act_and_mul_cuda(x, "gelu_tanh_and_mul", cuda::gelu_tanh_and_mul);
 }
 
 // torch's own argmax is already parallel on the GPU.
@@ -214,6 +224,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
   m.impl("rotary_embedding", &rotary_embedding_cuda);
   m.impl("silu_and_mul", &silu_and_mul_cuda);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul_cuda);
   m.impl("row_argmax", &row_argmax_cuda);
   m.impl("apply_token_bitmask", &apply_token_bitmask_cuda);
   m.impl("masked_row_argmax", &masked_row_argmax_cuda);

@@ -20,6 +20,9 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
+// An attention score after logit soft-capping (0: off), the eager formula's order: cap * tanh(s / cap).
+__device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
+
 // Calls fn(T{}) with the storage type of dtype.
 template <typename Fn>
 cudaError_t with_dtype(Dtype dtype, Fn&& fn) {

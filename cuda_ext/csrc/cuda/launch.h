@@ -33,6 +33,7 @@ struct AttentionArgs {
   int num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
   int window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
+  float softcap;  // scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 = off
 };
 
 // The split kernels (attention_split.cu): decode rows in context partitions of kSplitPartition tokens, each CTA
@@ -75,7 +76,7 @@ struct RotaryArgs {
   int heads, half;
 };
 
-struct SiluAndMulArgs {
+struct ActAndMulArgs {
   const void* x;
   void* out;  // dense [rows, d]
   int64_t rows, x_stride, d;
@@ -93,7 +94,8 @@ cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t
 cudaError_t paged_attention_split(const SplitAttentionArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
-cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t silu_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t gelu_tanh_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t apply_token_bitmask(const TokenBitmaskArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t masked_row_argmax(const TokenBitmaskArgs& args, int64_t* out, Dtype dtype, cudaStream_t stream);
 

@@ -1,5 +1,5 @@
 // CUDA decoder-layer kernels: residual add + RMSNorm, in-place rotary (neox
-// layout), SiLU-and-mul. fp32 math; a 16-bit result is rounded wherever the
+// layout), SiLU-and-mul and GELU(tanh)-and-mul. fp32 math; a 16-bit result is rounded wherever the
 // eager formula rounds, as the CPU kernels do (csrc/cpu/layer_ops.cpp).
 #include "convert.cuh"
 
@@ -52,15 +52,35 @@ __global__ void rotary_kernel(RotaryArgs a) {
   }
 }
 
-template <typename T>
-__global__ void silu_and_mul_kernel(SiluAndMulArgs a) {
+struct Silu {
+  __device__ float operator()(float g) const { return g / (1.f + expf(-g)); }
+};
+
+struct GeluTanh {  // torch's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+  __device__ float operator()(float g) const {
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * (g * g * g))));
+  }
+};
+
+template <typename T, typename Act>
+__global__ void act_and_mul_kernel(ActAndMulArgs a) {
   const int64_t total = a.rows * a.d;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = i / a.d, j = i % a.d;
     const T* row = static_cast<const T*>(a.x) + r * a.x_stride;
-    const float g = to_float(row[j]);
-    static_cast<T*>(a.out)[i] = from_float<T>(round_as<T>(g / (1.f + expf(-g))) * to_float(row[j + a.d]));
+    static_cast<T*>(a.out)[i] = from_float<T>(round_as<T>(Act{}(to_float(row[j]))) * to_float(row[j + a.d]));
   }
+}
+
+template <typename Act>
+cudaError_t act_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream) {
+  const int64_t total = args.rows * args.d;
+  if (total == 0) return cudaSuccess;
+  const int blocks = static_cast<int>((total + kThreads - 1) / kThreads < 65535 ? (total + kThreads - 1) / kThreads : 65535);
+  return with_dtype(dtype, [&](auto zero) {
+    act_and_mul_kernel<decltype(zero), Act><<<blocks, kThreads, 0, stream>>>(args);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace
@@ -81,14 +101,12 @@ cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t s
   });
 }
 
-cudaError_t silu_and_mul(const SiluAndMulArgs& args, Dtype dtype, cudaStream_t stream) {
-  const int64_t total = args.rows * args.d;
-  if (total == 0) return cudaSuccess;
-  const int blocks = static_cast<int>((total + kThreads - 1) / kThreads < 65535 ? (total + kThreads - 1) / kThreads : 65535);
-  return with_dtype(dtype, [&](auto zero) {
-    silu_and_mul_kernel<decltype(zero)><<<blocks, kThreads, 0, stream>>>(args);
-    return cudaGetLastError();
-  });
+cudaError_t silu_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream) {
+  return act_and_mul<Silu>(args, dtype, stream);
+}
+
+cudaError_t gelu_tanh_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream) {
+  return act_and_mul<GeluTanh>(args, dtype, stream);
 }
 
 }  // namespace pagedserve::cuda
