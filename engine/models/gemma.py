@@ -74,7 +74,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                     for theta, scaling in self.rope_tables(cfg.hf)]
         return GemmaModel(cfg, rotaries, self.qk_norm, tp, dtype)
 
-    def rope_tables(self, hf: dict) -> list[tuple[float, dict | None]]:
+    @staticmethod
+    def rope_tables(hf: dict) -> list[tuple[float, dict | None]]:
         """(theta, scaling) of the global layers, then of the local ones where they differ."""
         return [rope_params(hf)]
 
@@ -90,7 +91,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
 
-    def rope_tables(self, hf: dict) -> list[tuple[float, dict | None]]:
+    @staticmethod
+    def rope_tables(hf: dict) -> list[tuple[float, dict | None]]:
         """transformers 5 writes ``rope_parameters`` per layer type; older configs ``rope_theta`` and
         ``rope_scaling`` for the global layers, ``rope_local_base_freq`` for the local ones."""
         params = hf.get("rope_parameters")
