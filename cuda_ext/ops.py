@@ -21,8 +21,8 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 @dataclass(slots=True, frozen=True)
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
-    fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, greedy sampling's row_argmax, structured output's
-    apply_token_bitmask and masked_row_argmax (signatures in cuda_ext.reference), and
+    fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, greedy sampling's row_argmax,
+    structured output's apply_token_bitmask and masked_row_argmax (signatures in cuda_ext.reference), and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
     F.linear;
     llama_decoder_layer: a whole Llama-family layer on packed weights in one call (CPU), or None."""

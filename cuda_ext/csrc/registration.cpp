@@ -9,8 +9,8 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, int sliding_window=0, "
-        "float softcap=0.0) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, "
+        "int sliding_window=0, float softcap=0.0) -> ()");
   // The split (flash-decoding) kernels on CUDA; on the CPU the same kernel as paged_attention.
   m.def("paged_attention_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "

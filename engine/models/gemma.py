@@ -25,9 +25,9 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         eps, size = cfg.hf["rms_norm_eps"], cfg.hidden_size
         self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = LlamaAttention(
-            cfg, layer, cfg.hf.get("attention_bias", False), qk_norm, tp, norm=GemmaRMSNorm,
-            scale=cfg.hf.get("query_pre_attn_scalar", 256) ** -0.5, softcap=cfg.hf.get("attn_logit_softcapping") or 0.0)
+        self.self_attn = LlamaAttention(cfg, layer, cfg.hf.get("attention_bias", False), qk_norm, tp,
+                                        scale=cfg.hf.get("query_pre_attn_scalar", 256) ** -0.5,
+                                        softcap=cfg.hf.get("attn_logit_softcapping") or 0.0, norm=GemmaRMSNorm)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = LlamaMLP(cfg, tp, GeluTanhAndMul)
