@@ -168,6 +168,36 @@ def skinny_linear_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8 activations: (q int8 [rows, in], t fp32 [rows, 1]), x ~ q * t, t = max|x| /
+    127 (1 for a zero row), q = round(x * (1 / t)) to nearest even."""
+    top = x.float().abs().amax(dim=1, keepdim=True)
+    t = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return (x.float() * (1 / t)).round().clamp(-127, 127).to(torch.int8), t
+
+
+def pack_linear_weight_w8a8(q: torch.Tensor, panel: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] -> (panels [ceil(out / panel), ceil(in / 4), 4 * panel]: 4 k per column interleaved, zero
+    padded; each column's 128 * sum_k q (fp32 [out]): the offset term of x's unsigned bytes)."""
+    out_features, in_features = q.shape
+    panels, k4 = -(-out_features // panel), -(-in_features // 4) * 4
+    padded = torch.nn.functional.pad(q, (0, k4 - in_features, 0, panels * panel - out_features))
+    packed = padded.view(panels, panel, k4 // 4, 4).permute(0, 2, 1, 3).reshape(panels, k4 // 4, 4 * panel)
+    return packed.contiguous(), q.sum(1, dtype=torch.int32).float() * 128
+
+
+def skinny_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, col_offset: torch.Tensor,
+                       bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """(quantize_rows(x) @ q.T) * t * scale (+ bias), q unpacked from pack_linear_weight_w8a8's layout; the
+    integer sums exact (float64), the result in x's dtype."""
+    panels, quads, width = packed.shape
+    q = packed.view(panels, quads, width // 4, 4).permute(0, 2, 1, 3).reshape(-1, quads * 4)
+    xq, t = quantize_rows(x)
+    sums = xq.double() @ q[:out_features, :x.shape[1]].double().t()
+    y = (sums * t.double() * scale.double()).float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """skinny_linear's y widened to fp32 (bf16 layers: their rounded values) and each row's argmax (the

@@ -42,9 +42,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = spec(True, help="disable chunked prefill", flag="--no-chunked-prefill")
     preemption_mode: PreemptionMode = spec("recompute", help="what to do with a preempted sequence")
     dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
-    quantization: str | None = spec(choices=(None, "int8", "fp8"),
-                                    help="quantize the linear layers' weights at load, per output channel (a "
-                                         "checkpoint's own quantization_config needs no flag)")
+    quantization: str | None = spec(choices=(None, "int8", "w8a8", "fp8"),
+                                    help="quantize the linear layers' weights at load, per output channel (w8a8: "
+                                         "their inputs per row too, int8 on AVX512-VNNI CPUs; a checkpoint's own "
+                                         "quantization_config needs no flag)")
     device: str = spec("cpu", help="torch device")
     attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
     attention_kernel: AttentionKernel = spec("simple", help="CUDA paged attention kernel: simple (a CTA per query "

@@ -28,8 +28,9 @@ checkpoint written as GGUF, the requests decoded in one context whose KV cache h
 pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
 the KV cache unified or one stream per request.
 
-``--quantization int8`` (or fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized at
-load (the LM head too), its throughput as ``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
+``--quantization int8`` (or w8a8, fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized
+at load (the LM head too; w8a8 also quantizes their inputs per row, not the LM head's), its throughput as
+``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
 agreement and KL, teacher-forced on the workload's first prompts: ``loadtest.quant_quality``). ``--dtype``
 sets pagedserve's dtype (both systems), e.g. float32 for a bf16 model on a CPU whose skinny GEMM has no bf16.
 
@@ -402,7 +403,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
-    parser.add_argument("--quantization", choices=["int8", "fp8"],
+    parser.add_argument("--quantization", choices=["int8", "w8a8", "fp8"],
                         help="also run pagedserve with its linear layers quantized at load (same run, same requests)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="pagedserve's dtype (default: the model's)")
     parser.add_argument("--skip-hf-static", action="store_true")

@@ -9,19 +9,38 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from engine.quantization import QuantMethod, dequantize, quantize
+from cuda_ext import reference
+from engine.quantization import LOAD_SCHEMES, dequantize, quantize
 
 
-def dequantized_copy(model: transformers.PreTrainedModel, method: QuantMethod) -> transformers.PreTrainedModel:
+def dequantized_copy(model: transformers.PreTrainedModel, scheme: str) -> transformers.PreTrainedModel:
     """``model`` with every linear weight (the LM head too, as ``--quantization`` does) replaced by its
-    per-output-channel quantized-then-dequantised value."""
+    per-output-channel quantized-then-dequantised value; ``w8a8``: every linear layer but the LM head also
+    rounds its input to the per-row int8 grid."""
+    method, activations = LOAD_SCHEMES[scheme]
     copied = copy.deepcopy(model)
     with torch.no_grad():
         for layer in copied.modules():
             if isinstance(layer, torch.nn.Linear):
                 layer.weight = torch.nn.Parameter(dequantize(*quantize(layer.weight, method), layer.weight.dtype),
                                                   requires_grad=False)
-    return copied
+    return quantize_activations(copied) if activations else copied
+
+
+def quantize_activations(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model`` (in place) with every linear layer but the LM head rounding its input to the per-row int8 grid
+    first, as the engine's W8A8 layers do."""
+    head = model.get_output_embeddings()
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear) and layer is not head:
+            layer.register_forward_pre_hook(_fake_quantize_input)
+    return model
+
+
+def _fake_quantize_input(layer: torch.nn.Module, args: tuple) -> tuple:
+    x = args[0]
+    q, t = reference.quantize_rows(x.reshape(-1, x.shape[-1]))
+    return ((q.float() * t).to(x.dtype).view(x.shape), *args[1:])
 
 
 @torch.inference_mode()

@@ -30,6 +30,13 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_w8_argmax_cpu(const at::Tensor&
                                                                const at::Tensor& scale,
                                                                const c10::optional<at::Tensor>& bias,
                                                                int64_t out_features);
+// int8 weights and per-row int8 activations (VNNI builds; skinny_linear_w8a8_supports says): the weight packed
+// by pack_linear_weight_w8a8, which also returns each column's offset term (128 sum_k q_ck).
+bool skinny_linear_w8a8_supports_cpu();
+std::tuple<at::Tensor, at::Tensor> pack_linear_weight_w8a8_cpu(const at::Tensor& q);
+at::Tensor skinny_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                  const at::Tensor& col_offset, const c10::optional<at::Tensor>& bias,
+                                  int64_t out_features);
 bool argmax_screen_supports_cpu(at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias);

@@ -37,6 +37,7 @@ class Linear(nn.Linear):
     [out_features, 1] scales; otherwise ``weight_scale`` is None."""
 
     packed: PackedLinear | None = None
+    quantize_activations = False  # W8A8 (engine/quantized_model.py sets it): x quantized per row to int8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -78,8 +79,11 @@ class Linear(nn.Linear):
         self.packed = ops.pack_linear(self.weight, self.bias, **self._scale())
 
     def _scale(self) -> dict:
-        """pack_linear's ``scale`` for an int8 layer (the packed kernels take no fp8)."""
-        return {} if self.weight_scale is None or self.weight.dtype != torch.int8 else {"scale": self.weight_scale}
+        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer (the packed kernels take no
+        fp8)."""
+        if self.weight_scale is None or self.weight.dtype != torch.int8:
+            return {}
+        return {"scale": self.weight_scale, "quantize_activations": self.quantize_activations}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.unpacked(x, self.bias) if self.packed is None else self.packed(x)
@@ -87,7 +91,7 @@ class Linear(nn.Linear):
     def unpacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        return quantized_linear(x, self.weight, self.weight_scale, bias)
+        return quantized_linear(x, self.weight, self.weight_scale, bias, self.quantize_activations)
 
 
 class ColumnParallelLinear(Linear):
