@@ -67,7 +67,10 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
         if requested is None:
             return None
         method, activations = LOAD_SCHEMES[requested]
-        return QuantConfig(method, in_checkpoint=False, activations=activations)
+        # W8A8 leaves the LM head as it is, as llm-compressor does: the widest layer, whose logits pick the
+        # tokens, keeps its exact inputs and the fused argmax of the model's dtype.
+        return QuantConfig(method, in_checkpoint=False, ignore=("lm_head",) if activations else (),
+                           activations=activations)
     where = f"{path}/config.json: quantization_config"
     method = raw.get("quant_method")
     if method == "compressed-tensors":

@@ -14,14 +14,15 @@ from engine.quantization import LOAD_SCHEMES, dequantize, quantize
 
 
 def dequantized_copy(model: transformers.PreTrainedModel, scheme: str) -> transformers.PreTrainedModel:
-    """``model`` with every linear weight (the LM head too, as ``--quantization`` does) replaced by its
-    per-output-channel quantized-then-dequantised value; ``w8a8``: every linear layer but the LM head also
-    rounds its input to the per-row int8 grid."""
+    """``model`` with every linear weight (the LM head too, as ``--quantization`` does, but for ``w8a8``)
+    replaced by its per-output-channel quantized-then-dequantised value; ``w8a8``: every linear layer but the LM
+    head also rounds its input to the per-row int8 grid."""
     method, activations = LOAD_SCHEMES[scheme]
     copied = copy.deepcopy(model)
+    head = copied.get_output_embeddings()
     with torch.no_grad():
         for layer in copied.modules():
-            if isinstance(layer, torch.nn.Linear):
+            if isinstance(layer, torch.nn.Linear) and not (activations and layer is head):
                 layer.weight = torch.nn.Parameter(dequantize(*quantize(layer.weight, method), layer.weight.dtype),
                                                   requires_grad=False)
     return quantize_activations(copied) if activations else copied
