@@ -19,6 +19,7 @@ from .conftest import MAX_NEW_TOKENS, backends, build_checkpoint, hf_greedy, mix
 from .test_hf_equivalence import generate, make_llm
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_ARCHS = ["llama"]  # ARCH_CONFIGS entries these tests quantize (the README's model table reads it)
 
 
 def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
@@ -70,7 +71,7 @@ def with_weights(model: transformers.PreTrainedModel, weights: dict) -> transfor
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return build_checkpoint("llama", tmp_path_factory.mktemp("llama-quant"))
+    return build_checkpoint(QUANTIZED_ARCHS[0], tmp_path_factory.mktemp("llama-quant"))
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,10 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
               attention_backend="ext" if _ext_available() else "torch")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "opt"])
+TP_ARCHS = ["llama", "qwen2", "opt"]  # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it)
+
+
+@pytest.fixture(scope="module", params=TP_ARCHS)
 def model(request, tmp_path_factory):
     """(checkpoint, transformers' greedy outputs, a tp=2 LLM): one engine and worker per model, shared by the
     scenarios (each runs on a fresh scheduler over the same KV pools; the ranks never see the scheduler).
