@@ -67,7 +67,8 @@ class FusedLayer:
 
     op: Callable[..., torch.Tensor]
     weights: list[torch.Tensor]  # input norm, packed qkv, packed o, post-attention norm, packed gate_up, down
-    optional: list[torch.Tensor | None]  # the qkv, o, gate_up and down biases, the q and k norms (Qwen3)
+    optional: list[torch.Tensor | None]  # the qkv, o, gate_up and down biases, the q and k norms (Qwen3), then
+    # for W8A8 layers each linear's scale and column offsets
     sizes: list[int]  # heads, KV heads, head size, then each linear's output features
     attn: PagedAttention  # the model runner binds its KV cache views after the load
     eps: float
@@ -111,20 +112,24 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU) and unquantized, on one rank (a row-parallel layer needs its all-reduce)."""
+        packed (CPU), unquantized or W8A8, on one rank (a row-parallel layer needs its all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        # The compiled layer takes plain packed weights: an int8 one (``scale``) keeps the layer unfused.
-        unfusable = any(linear.packed is None or linear.packed.scale is not None for linear in linears)
-        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or unfusable:
+        # The compiled layer takes plain packed weights, or W8A8 ones (``col_offset``); a weight-only int8 one
+        # keeps the layer unfused.
+        packed = [linear.packed for linear in linears]
+        w8a8 = all(p is not None and p.col_offset is not None for p in packed)
+        fusable = all(p is not None and p.scale is None for p in packed) or w8a8
+        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or not fusable:
             return
-        qkv, o, gate_up, down = (linear.packed for linear in linears)
+        qkv, o, gate_up, down = packed
         norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
+        quantized = [t for p in packed for t in (p.scale, p.col_offset)] if w8a8 else []
         self.fused = FusedLayer(
             ops.llama_decoder_layer,
             [self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight, gate_up.packed,
              down.packed],
-            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms],
+            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms, *quantized],
             [attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
              gate_up.out_features, down.out_features],
             attn.attn, self.input_layernorm.eps)

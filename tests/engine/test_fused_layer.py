@@ -44,14 +44,19 @@ def _run(model, kv: torch.Tensor, fused: list, steps, vocab: int) -> list[torch.
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype):
+CASES = [(arch, dtype, None) for arch in ("llama", "qwen2", "qwen3") for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("arch, dtype, quantization", CASES + [("qwen2", torch.bfloat16, "w8a8"),
+                                                               ("qwen3", torch.float32, "w8a8")])
+def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype, quantization):
     cuda_ext.load_ops("ext")
     if not torch.ops.pagedserve.skinny_linear_supports(dtype):
         pytest.skip(f"{dtype} layers stay on F.linear here (no AVX512-BF16)")
+    if quantization and not torch.ops.pagedserve.skinny_linear_w8a8_supports():
+        pytest.skip("W8A8 layers stay on F.linear here (no AVX512-VNNI)")
     config = read_model_config(build_checkpoint(arch, tmp_path).path)
-    model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False)
+    model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False, quantization=quantization)
     with torch.no_grad():  # norms away from their initial ones (and biases), so a swapped weight would show
         for p in model.parameters():
             if p.dim() == 1:
@@ -70,6 +75,12 @@ def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtyp
     for g, w in zip(got, want):
         assert g.dtype == dtype and torch.equal(g, w)
     assert torch.equal(kv_fused, kv_python)
+
+
+def test_weight_only_int8_keeps_the_python_forward(tmp_path):
+    config = read_model_config(build_checkpoint("llama", tmp_path).path)
+    model = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("ext"), False, quantization="int8")
+    assert all(layer.fused is None for layer in model.model.layers)
 
 
 def test_the_reference_backend_keeps_the_python_forward(tmp_path):
