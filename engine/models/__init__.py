@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -12,6 +12,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
