@@ -193,7 +193,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3, Phi-3.5-mini, Phi-4-mini: Llama's layer with q|k|v and gate|up stored fused (the loader splits
     them per part), partial rotary and LongRoPE; transformers reads its legacy "su" and "yarn" as LongRoPE."""
