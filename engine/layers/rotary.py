@@ -49,12 +49,16 @@ def rope_config(hf: dict, head_dim: int, max_position: int, aliases: dict[str, s
                          f"{head_dim}-dim head (must be even, 2..{head_dim})")
     # As transformers: a top-level original_max_position_embeddings (Phi-3 keeps it there) wins.
     original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    rope = RopeConfig(theta, rotary_dim, max_position, original or max_position, rope_type, params)
-    for name in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+    if rope_type == "longrope":
+        _check_longrope_factors(key, params, rotary_dim)
+    return RopeConfig(theta, rotary_dim, max_position, original or max_position, rope_type, params)
+
+
+def _check_longrope_factors(key: str, params: dict, rotary_dim: int) -> None:
+    for name in ("short_factor", "long_factor"):
         if not isinstance(params[name], list) or len(params[name]) != rotary_dim // 2:
             raise ValueError(f"config.json {key}.{name}: expected a list of {rotary_dim // 2} numbers "
                              f"(rotary dims / 2), got {params[name]!r}")
-    return rope
 
 
 def _rope_dict(hf: dict) -> tuple[str, dict]:
