@@ -60,7 +60,7 @@ def render() -> str:
 
 def in_readme(text: str) -> str:
     """The table between the README's markers."""
-    match = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    match = re.search(re.escape(BEGIN) + r"\n(.*?)\n?" + re.escape(END), text, re.S)
     if match is None:
         raise ValueError(f"README.md has no {BEGIN} ... {END} block")
     return match.group(1)
@@ -75,7 +75,9 @@ def main() -> None:
         print(table)
         return
     text = README.read_text()
-    README.write_text(text.replace(in_readme(text), table))
+    in_readme(text)  # the markers are there
+    block = re.compile(re.escape(BEGIN) + r"\n.*?\n?" + re.escape(END), re.S)
+    README.write_text(block.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text, count=1))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ Megatron-style: column-parallel (output features; fused stacks such as q|k|v and
 and row-parallel (input features, one all-reduce). With one rank both are the plain layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,15 @@ class ColumnParallelLinear(Linear):
         size = self.local_sizes[i]
         start = self.tp.rank * self.part_splits[i] // self.tp.size * size
         return Shard(0, size * self.part_splits[i], start, size, sum(self.local_sizes[:i]))
+
+    def fused_checkpoint_shards(self, param: str) -> list[Shard] | None:
+        """This rank's slice of each part of a checkpoint tensor that stores the parts already stacked (Phi-3's
+        qkv_proj and gate_up_proj): split part by part, as separate tensors would be; None with one part."""
+        if len(self.local_sizes) == 1:
+            return None
+        full = [size * n for size, n in zip(self.local_sizes, self.part_splits)]
+        shards = [self.checkpoint_shard(param, i) for i in range(len(full))]
+        return [replace(shard, total=sum(full), start=sum(full[:i]) + shard.start) for i, shard in enumerate(shards)]
 
 
 class RowParallelLinear(Linear):

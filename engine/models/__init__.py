@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.opt import OPTForCausalLM
 
 
@@ -27,6 +27,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="`use_sliding_window` from `max_window_layers` on"),
     ModelFamily("Qwen3", {"Qwen3ForCausalLM": Qwen3ForCausalLM},
                 sliding_window="`use_sliding_window` from `max_window_layers` on"),
+    ModelFamily("Phi-3, Phi-3.5, Phi-4-mini", {"Phi3ForCausalLM": Phi3ForCausalLM},
+                sliding_window="`sliding_window`, every layer"),
     ModelFamily("OPT", {"OPTForCausalLM": OPTForCausalLM}),
 )
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: cls for family in FAMILIES for arch, cls in family.classes.items()}

@@ -1,5 +1,6 @@
-"""Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm); per-layer
-sliding windows as ``ModelConfig.layer_windows`` gives them."""
+"""Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Phi-3 / Phi-4-mini
+(checkpoints with q|k|v and gate|up stored fused, partial rotary, LongRoPE); per-layer sliding windows as
+``ModelConfig.layer_windows`` gives them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RopeStep, RotaryEmbedding
+from engine.layers.rotary import RopeStep, RotaryEmbedding, rope_config
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
 
@@ -146,7 +147,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        rope = RopeStep(self.rotary, positions)
+        rope = self.rotary.step(positions, meta)
         for layer in self.layers:
             h, residual = layer(rope, h, residual, meta)
         return self.norm(h, residual)
@@ -159,13 +160,14 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     qkv_bias = False
     qk_norm = False
+    rope_aliases: dict[str, str] = {}  # legacy rope types the family's configs use for another one
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         if cfg.hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cfg.architecture}: unsupported hidden_act {cfg.hf['hidden_act']!r} (only silu)")
-        theta, scaling = _rope_params(cfg.hf)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
+        rope = rope_config(cfg.hf, cfg.head_dim, cfg.max_position_embeddings, self.rope_aliases)
+        rotary = RotaryEmbedding(rope, device, dtype)
         qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
         self.model = LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
@@ -196,10 +198,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-def _rope_params(hf: dict) -> tuple[float, dict | None]:
-    """transformers 5 writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling = params if params.get("rope_type", "default") != "default" else None
-        return float(params["rope_theta"]), scaling
-    return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5-mini, Phi-4-mini: Llama's layer with q|k|v and gate|up stored fused (the loader splits
+    them per part), partial rotary and LongRoPE; transformers reads its legacy "su" and "yarn" as LongRoPE."""
+
+    rope_aliases = {"su": "longrope", "yarn": "longrope"}

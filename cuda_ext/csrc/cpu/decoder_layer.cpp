@@ -57,7 +57,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
   if (q_norm)  // each head normalised (Qwen3), into a new q|k as the Python forward's two norms and cat
     qk = at::cat(
         {rms_norm(qk.narrow(1, 0, heads), *q_norm, eps), rms_norm(qk.narrow(1, heads, kv_heads), *k_norm, eps)}, 1);
-  rotary_embedding_cpu(qk, positions, cos, sin);
+  at::Tensor rotated = qk.narrow(2, 0, 2 * cos.size(1));  // partial rotary (Phi-4-mini): the leading dims alone
+  rotary_embedding_cpu(rotated, positions, cos, sin);
   const at::Tensor q = qk.narrow(1, 0, heads);
   reshape_and_cache_cpu(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
                         value_cache, slot_mapping);
