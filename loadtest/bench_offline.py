@@ -220,13 +220,12 @@ def measure_pagedserve(path: str, requests: list[Request], args, quantization: s
 def quantization_quality(path: str, name: str, requests: list[Request], args) -> dict[str, float]:
     """Greedy agreement and KL of the ``--quantization`` model vs the unquantized one, teacher-forced over
     the first 8 prompts, in pagedserve's dtype."""
-    from loadtest.quant_quality import agreement_and_kl, dequantized_copy
+    from loadtest.quant_quality import dequantized_copy, quality_report
 
     dtype = getattr(torch, args.dtype or MODELS[name]["dtype"])
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    agreement, kl = agreement_and_kl(model, dequantized_copy(model, args.quantization),
-                                     [r.prompt for r in requests[:8]])
-    return dict(greedy_agreement=round(agreement, 4), kl=round(kl, 5))
+    quality = quality_report(model, dequantized_copy(model, args.quantization), [r.prompt for r in requests[:8]])
+    return {key: round(value, 5) for key, value in quality.items()}
 
 
 def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
