@@ -41,11 +41,10 @@ def batch_slots(batch: PagedBatch) -> torch.Tensor:
 
 
 def quantize_batch(batch: PagedBatch, dtype: torch.dtype, write=reference.reshape_and_cache) -> QuantizedKV:
-    """The batch's K/V written by ``write`` into fresh pools (garbage elsewhere: zeros would hide stray reads
-    less well than NaN scales)."""
+    """The batch's K/V written by ``write`` into fresh pools whose other slots hold NaN scales, so a stray read
+    poisons the result."""
     shape = batch.kv_cache.shape
-    kv = QuantizedKV(torch.full(shape, 3, dtype=torch.int8).view(dtype) if dtype != torch.int8
-                     else torch.full(shape, 3, dtype=dtype),
+    kv = QuantizedKV(torch.full(shape, 3, dtype=torch.int8).view(dtype),
                      torch.full(shape[:-1], float("nan"), dtype=torch.bfloat16))
     k_cache, v_cache, k_scale, v_scale = kv.caches()
     write(torch.cat(batch.keys), torch.cat(batch.values), k_cache, v_cache, batch_slots(batch), k_scale, v_scale)
