@@ -15,6 +15,8 @@ KV_SCALE_DTYPE = torch.bfloat16
 
 @dataclass(frozen=True, slots=True)
 class KVCacheDtype:
+    """What the KV pools store."""
+
     dtype: torch.dtype  # the pools' elements: the model's dtype, or int8 / fp8 codes
     quantized: bool  # codes with scales (a scale pool beside each KV pool)
 
