@@ -13,8 +13,8 @@ import cuda_ext
 from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
-from engine.kv_cache_dtype import KVCacheDtype
 from engine.distributed.parallel_state import TensorParallel
+from engine.kv_cache_dtype import KVCacheDtype
 from engine.models.config import ModelConfig, read_model_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
