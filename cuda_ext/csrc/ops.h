@@ -8,12 +8,15 @@
 
 namespace pagedserve {
 
+// key_scale / value_scale: the bf16 scales of an int8 / fp8 KV cache (nullopt: unquantized; checks.h).
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                           const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale);
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale,
-                         int64_t sliding_window);
+                         int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
+                         const c10::optional<at::Tensor>& value_scale);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 bool skinny_linear_supports_cpu(at::ScalarType dtype);
@@ -62,6 +65,7 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
-                                   int64_t sliding_window);
+                                   int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
+                                   const c10::optional<at::Tensor>& value_scale);
 
 }  // namespace pagedserve

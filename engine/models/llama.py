@@ -82,7 +82,7 @@ class FusedLayer:
         out = self.op(residual, h, self.weights, self.optional, self.sizes, rope.positions, rope.rotary.cos,
                       rope.rotary.sin, a.k_cache, a.v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale,
-                      a.sliding_window)
+                      a.sliding_window, key_scale=a.k_scale, value_scale=a.v_scale)
         return out, residual
 
 

@@ -40,7 +40,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
-                                   int64_t sliding_window) {
+                                   int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
+                                   const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(weights.size() == 6 && (optional.size() == 6 || optional.size() == 14) && sizes.size() == 7,
               "llama_decoder_layer takes 6 weights (input norm, qkv, o, post-attention norm, gate_up, down), "
               "6 optional ones (qkv, o, gate_up and down biases, q and k norms; then, for W8A8 layers, each "
@@ -61,10 +62,10 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
   rotary_embedding_cpu(rotated, positions, cos, sin);
   const at::Tensor q = qk.narrow(1, 0, heads);
   reshape_and_cache_cpu(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
-                        value_cache, slot_mapping);
+                        value_cache, slot_mapping, key_scale, value_scale);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len, scale, sliding_window);
+                      max_seq_len, scale, sliding_window, key_scale, value_scale);
   const at::Tensor o = linear(attn.view({tokens, heads * d}), 1, weights, optional, sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
   const at::Tensor gate_up = linear(h, 2, weights, optional, sizes[5]);
