@@ -2,6 +2,7 @@
 
     packed = cuda_ext.pack_linear(weight, bias)  # None where the op does not apply: keep F.linear
     packed = cuda_ext.pack_linear(q, bias, scale=scale)  # int8 q [out, in], y = x @ (q * scale[:, None]).T
+    packed = cuda_ext.pack_linear(q, bias, scale=scale, quantize_activations=True)  # x int8 per row too (VNNI)
     y = packed(x)                                # x @ weight.T + bias
     idx = packed.argmax(x)                       # argmax(x @ weight.T + bias) per row, without the logits
 """
@@ -28,18 +29,23 @@ class ArgmaxScreen:
 @dataclass(slots=True, frozen=True)
 class PackedLinear:
     """``y = x @ weight.T + bias`` through ``torch.ops.pagedserve.skinny_linear``; int8 layers (``scale`` set):
-    ``y = x @ (weight * scale[:, None]).T + bias`` through ``skinny_linear_w8``."""
+    ``y = x @ (weight * scale[:, None]).T + bias`` through ``skinny_linear_w8``, or with x quantized per row
+    (``col_offset`` set) through ``skinny_linear_w8a8``."""
 
     packed: torch.Tensor  # from pack_linear_weight (panel layout: cuda_ext/README.md)
     bias: torch.Tensor | None
     out_features: int
     screen: ArgmaxScreen | None = None  # an fp32 LM head's, where the CPU has AVX512-BF16
     scale: torch.Tensor | None = None  # int8 layers: fp32 [out_features], one per output channel
+    col_offset: torch.Tensor | None = None  # W8A8 layers: 128 * each column's sum of q (pack_linear_weight_w8a8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.scale is None:
             y = torch.ops.pagedserve.skinny_linear(rows, self.packed, self.bias, self.out_features)
+        elif self.col_offset is not None:
+            y = torch.ops.pagedserve.skinny_linear_w8a8(rows, self.packed, self.scale, self.col_offset, self.bias,
+                                                        self.out_features)
         else:
             y = torch.ops.pagedserve.skinny_linear_w8(rows, self.packed, self.scale, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
@@ -48,7 +54,7 @@ class PackedLinear:
         """``(self(x).float(), each row's argmax)`` for 2-D ``x``, the argmax taken inside the GEMM and the
         logits written in fp32 there (the LM head's greedy tokens and sampler input without a second pass
         over the logits; bf16 layers give their bf16-rounded values); ``(self(x), None)`` for other inputs."""
-        if x.dim() != 2:
+        if x.dim() != 2 or self.col_offset is not None:
             return self(x), None
         if self.scale is not None:
             return torch.ops.pagedserve.skinny_linear_w8_argmax(x, self.packed, self.scale, self.bias,
@@ -66,10 +72,11 @@ class PackedLinear:
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False,
-                scale: torch.Tensor | None = None) -> PackedLinear | None:
+                scale: torch.Tensor | None = None, quantize_activations: bool = False) -> PackedLinear | None:
     """The packed form of a CPU linear layer in a dtype the compiled op supports (fp32; bf16 on
     AVX512-BF16 CPUs; an int8 ``weight`` with its per-output-channel ``scale``, for fp32 or bf16 activations,
-    on any CPU), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads): the layer
+    on any CPU, with ``quantize_activations`` the activations quantized per row where the CPU has
+    AVX512-VNNI), else None. The compiled ops must be loaded. ``screen_argmax`` (LM heads): the layer
     also gets an ArgmaxScreen where the CPU supports one for its dtype (fp32: AVX512-BF16, and the fp32 weight
     is kept row-major; bf16: AVX512-VNNI too, without AMX).
 
@@ -81,6 +88,11 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     if scale is not None:
         scale = scale.detach().reshape(-1).float().contiguous()
+        if quantize_activations:  # without VNNI: None, so F.linear runs the same arithmetic (fake-quantized x)
+            if not torch.ops.pagedserve.skinny_linear_w8a8_supports():
+                return None
+            packed, col_offset = torch.ops.pagedserve.pack_linear_weight_w8a8(weight)
+            return PackedLinear(packed, bias, weight.shape[0], scale=scale, col_offset=col_offset)
         return PackedLinear(torch.ops.pagedserve.pack_linear_weight(weight), bias, weight.shape[0], scale=scale)
     if not torch.ops.pagedserve.skinny_linear_supports(weight.dtype):
         return None
@@ -93,6 +105,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: 
 
 
 def keep_unpacked(weight: torch.Tensor, bias: torch.Tensor | None, screen_argmax: bool = False,
-                  scale: torch.Tensor | None = None) -> None:
+                  scale: torch.Tensor | None = None, quantize_activations: bool = False) -> None:
     """``pack_linear`` of the reference backend: it keeps F.linear."""
     return None

@@ -4,11 +4,29 @@
 KV layout (see cuda_ext/README.md): key_cache / value_cache are
 [num_blocks, num_kv_heads, block_size, head_size] (possibly strided views of one
 all-layer tensor); slot s = block s // block_size, offset s % block_size.
+
+Quantized KV (int8 or float8_e4m3fn caches): each (slot, KV head) row of K and of V has its own bf16 scale, the
+row's absmax over the largest code, in key_scale / value_scale [num_blocks, num_kv_heads, block_size] (views of
+one all-layer tensor too). The K/V ops take them as optional trailing arguments; None means an unquantized cache.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The largest code of each quantized KV dtype: a row's absmax maps to it.
+KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] in dtype, bf16 scales [...]): scale = bf16(absmax / max code), codes =
+    x / scale (fp32 division), clamped (the bf16 rounding may shrink the scale a little), then int8 rounded half
+    to even or cast to fp8. An all-zero row gets scale 0 and codes 0."""
+    qmax = KV_QUANT_MAX[dtype]
+    scale = (x.float().abs().amax(dim=-1) / qmax).to(torch.bfloat16)
+    divisor = scale.float().masked_fill(scale == 0, 1.0)
+    codes = (x.float() / divisor[..., None]).clamp(-qmax, qmax)
+    return (codes.round() if dtype == torch.int8 else codes).to(dtype), scale
 
 
 def reshape_and_cache(
@@ -17,20 +35,33 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write token t's K/V ([T, Hkv, D]) into slot slot_mapping[t]; slot -1 is skipped."""
+    """Write token t's K/V ([T, Hkv, D]) into slot slot_mapping[t]; slot -1 is skipped. With scales the cache
+    is quantized: the codes go to the cache, each (token, head) row's scale to key_scale / value_scale."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = key_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[keep]
-    value_cache[blocks, :, offsets] = value[keep]
+    for x, cache, scales in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+        if scales is None:
+            cache[blocks, :, offsets] = x[keep]
+        else:
+            codes, row_scales = quantize_kv(x[keep], cache.dtype)
+            cache[blocks, :, offsets] = codes
+            scales[blocks, :, offsets] = row_scales
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's cache as a dense [Hkv, seq_len, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's cache as a dense [Hkv, seq_len, D]; with scales, dequantised
+    to fp32."""
     num_blocks = -(-seq_len // cache.shape[2])
-    blocks = cache[block_table[:num_blocks].long()]  # [n, Hkv, bs, D]
+    ids = block_table[:num_blocks].long()
+    blocks = cache[ids]  # [n, Hkv, bs, D]
+    if scales is not None:
+        blocks = blocks.float() * scales[ids].float()[..., None]
     return blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
 
 
@@ -47,6 +78,8 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's query rows over its paged context, into out.
 
@@ -54,7 +87,8 @@ def paged_attention(
     is seq_lens[b] tokens including those rows, so row i sits at position
     seq_lens[b] - q_len + i and sees positions [0, that position], or with a sliding window
     the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). A ``softcap``
-    (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. fp32 math.
+    (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. fp32 math;
+    a quantized cache (scales given) is dequantised first.
     """
     group = query.shape[1] // key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -64,8 +98,8 @@ def paged_attention(
             continue
         # Keys before the first row's window are never read: the engine releases their blocks.
         lo = max(0, seq_len - (q1 - q0) - sliding_window + 1) if sliding_window else 0
-        k = gather_kv(key_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
-        v = gather_kv(value_cache, block_tables[b], seq_len)[:, lo:].repeat_interleave(group, dim=0).float()
+        k, v = (gather_kv(cache, block_tables[b], seq_len, scales)[:, lo:].repeat_interleave(group, dim=0).float()
+                for cache, scales in ((key_cache, key_scale), (value_cache, value_scale)))
         q = query[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
         scores = soft_cap((q @ k.transpose(1, 2)) * scale, softcap)  # [Hq, q_len, seq_len - lo]
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
@@ -181,6 +215,36 @@ def skinny_linear_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8 activations: (q int8 [rows, in], t fp32 [rows, 1]), x ~ q * t, t = max|x| /
+    127 (1 for a zero row), q = round(x * (1 / t)) to nearest even."""
+    top = x.float().abs().amax(dim=1, keepdim=True)
+    t = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return (x.float() * (1 / t)).round().clamp(-127, 127).to(torch.int8), t
+
+
+def pack_linear_weight_w8a8(q: torch.Tensor, panel: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] -> (panels [ceil(out / panel), ceil(in / 4), 4 * panel]: 4 k per column interleaved, zero
+    padded; each column's 128 * sum_k q (fp32 [out]): the offset term of x's unsigned bytes)."""
+    out_features, in_features = q.shape
+    panels, k4 = -(-out_features // panel), -(-in_features // 4) * 4
+    padded = torch.nn.functional.pad(q, (0, k4 - in_features, 0, panels * panel - out_features))
+    packed = padded.view(panels, panel, k4 // 4, 4).permute(0, 2, 1, 3).reshape(panels, k4 // 4, 4 * panel)
+    return packed.contiguous(), q.sum(1, dtype=torch.int32).float() * 128
+
+
+def skinny_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, col_offset: torch.Tensor,
+                       bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """(quantize_rows(x) @ q.T) * t * scale (+ bias), q unpacked from pack_linear_weight_w8a8's layout; the
+    integer sums exact (float64), the result in x's dtype."""
+    panels, quads, width = packed.shape
+    q = packed.view(panels, quads, width // 4, 4).permute(0, 2, 1, 3).reshape(-1, quads * 4)
+    xq, t = quantize_rows(x)
+    sums = xq.double() @ q[:out_features, :x.shape[1]].double().t()
+    y = (sums * t.double() * scale.double()).float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def skinny_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """skinny_linear's y widened to fp32 (bf16 layers: their rounded values) and each row's argmax (the
@@ -202,6 +266,8 @@ def paged_attention_split(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     partition_size: int = 512,
 ) -> None:
     """paged_attention as the split CUDA op computes it: a decode row (query length 1) in context partitions of
@@ -211,13 +277,14 @@ def paged_attention_split(
     for b, seq_len in enumerate(seq_lens.tolist()):
         q0, q1 = starts[b], starts[b + 1]
         if q1 - q0 == 1:
-            k = gather_kv(key_cache, block_tables[b], seq_len)
-            v = gather_kv(value_cache, block_tables[b], seq_len)
+            k = gather_kv(key_cache, block_tables[b], seq_len, key_scale)
+            v = gather_kv(value_cache, block_tables[b], seq_len, value_scale)
             out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, softcap, partition_size).to(out.dtype)
         elif q1 > q0:
             one = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query_start_loc.device)
             paged_attention(out[q0:q1], query[q0:q1], key_cache, value_cache, block_tables[b:b + 1],
-                            seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window, softcap)
+                            seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window, softcap,
+                            key_scale, value_scale)
 
 
 def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int,

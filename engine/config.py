@@ -11,6 +11,7 @@ from engine.field_specs import check_fields, spec
 PreemptionMode = Literal["recompute", "swap"]
 AttentionBackend = Literal["ext", "torch"]
 AttentionKernel = Literal["simple", "split"]
+KVCacheDtypeName = Literal["auto", "int8", "fp8"]
 KVAllocatorName = Literal["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
 
 
@@ -42,9 +43,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = spec(True, help="disable chunked prefill", flag="--no-chunked-prefill")
     preemption_mode: PreemptionMode = spec("recompute", help="what to do with a preempted sequence")
     dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
-    quantization: str | None = spec(choices=(None, "int8", "fp8"),
-                                    help="quantize the linear layers' weights at load, per output channel (a "
-                                         "checkpoint's own quantization_config needs no flag)")
+    quantization: str | None = spec(choices=(None, "int8", "w8a8", "fp8"),
+                                    help="quantize the linear layers' weights at load, per output channel (w8a8: "
+                                         "their inputs per row too, int8 on AVX512-VNNI CPUs; a checkpoint's own "
+                                         "quantization_config needs no flag)")
+    kv_cache_dtype: KVCacheDtypeName = spec("auto", help="KV cache elements: auto (the model's dtype), or int8 / "
+                                                         "fp8 (e4m3) with a scale per token and KV head, ~2x the "
+                                                         "tokens of bf16 in the same memory")
     device: str = spec("cpu", help="torch device")
     attention_backend: AttentionBackend = spec("ext", help="paged attention implementation")
     attention_kernel: AttentionKernel = spec("simple", help="CUDA paged attention kernel: simple (a CTA per query "

@@ -110,13 +110,21 @@ def _target_name(name: str, params: dict, packed: dict) -> tuple[str, int | None
 
 
 def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dict, name: str) -> None:
-    """Copy this rank's part of checkpoint tensor ``name`` (a safetensors slice: nothing else is read)."""
+    """Copy this rank's part of checkpoint tensor ``name`` (a safetensors slice: nothing else is read): one
+    shard, or one per part where the checkpoint stores a fused layer's parts stacked (``fused_checkpoint_shards``)."""
     param_name, part = target
     module_name, _, attr = param_name.rpartition(".")
     module = modules[module_name]
-    shard_of = getattr(module, "checkpoint_shard", None)
-    shard: Shard | None = shard_of(attr, part) if shard_of is not None else None
-    dest = params[param_name].data
+    fused = getattr(module, "fused_checkpoint_shards", None)
+    shards = fused(attr) if fused is not None and part is None else None
+    if shards is None:
+        shard_of = getattr(module, "checkpoint_shard", None)
+        shards = [shard_of(attr, part) if shard_of is not None else None]
+    for shard in shards:
+        _copy_shard(shard, src, params[param_name].data, module, name, attr)
+
+
+def _copy_shard(shard: Shard | None, src, dest: torch.Tensor, module: nn.Module, name: str, attr: str) -> None:
     if shard is None:
         expected, index = list(dest.shape), slice(None)
     else:

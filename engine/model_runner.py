@@ -13,6 +13,7 @@ from torch import nn
 from cuda_ext import KernelOps
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.cuda_graphs import DecodeGraphs
+from engine.kv_cache_dtype import KV_SCALE_DTYPE
 from engine.layers.attention import AttentionMetadata
 from engine.resolved_config import ResolvedConfig
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors
@@ -81,12 +82,18 @@ class ModelRunner:
         attention = model.attention_layers()
         # This rank's KV heads only (all of them without tensor parallelism).
         shape = (m.num_layers, 2, attention[0].num_kv_heads, sched.block_size, m.head_dim)
-        self.kv_cache = _new_pool(sched.num_device_blocks, shape, config.dtype, config.device)
-        # Swap-ins only read blocks a swap-out wrote, so the CPU pool needs no zeroing.
-        self.cpu_cache = torch.empty((sched.num_cpu_blocks, *shape), dtype=config.dtype, device="cpu",
-                                     pin_memory=self.device.type == "cuda" and sched.num_cpu_blocks > 0)
+        kv = config.kv_cache_dtype
+        self.kv_cache = _new_pool(sched.num_device_blocks, shape, kv.dtype, config.device)
+        self.cpu_cache = _cpu_pool(sched.num_cpu_blocks, shape, kv.dtype, self.device)
+        # A quantized cache's scales, one per (slot, KV head) of K and of V, in pools indexed by block like the
+        # codes', so every block move (swap, copy-on-write) moves a block's scales with it.
+        self.kv_scales = self.cpu_scales = None
+        if kv.quantized:
+            self.kv_scales = _new_pool(sched.num_device_blocks, shape[:-1], KV_SCALE_DTYPE, config.device)
+            self.cpu_scales = _cpu_pool(sched.num_cpu_blocks, shape[:-1], KV_SCALE_DTYPE, self.device)
         for i, attn in enumerate(attention):
-            attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1])
+            scales = () if self.kv_scales is None else (self.kv_scales[:, i, 0], self.kv_scales[:, i, 1])
+            attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1], *scales)
         self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
         self.graphs: DecodeGraphs | None = None
         self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
@@ -156,12 +163,16 @@ class ModelRunner:
 
     def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
-        if plan.swap_out.numel():
-            self.ops.swap_blocks(self.kv_cache, self.cpu_cache, plan.swap_out)
-        if plan.swap_in.numel():
-            self.ops.swap_blocks(self.cpu_cache, self.kv_cache, plan.swap_in)
-        if plan.copies.numel():
-            self.ops.copy_blocks(self.kv_cache, plan.copies.to(self.device))
+        pools = [(self.kv_cache, self.cpu_cache)]
+        if self.kv_scales is not None:
+            pools.append((self.kv_scales, self.cpu_scales))
+        for device_pool, cpu_pool in pools:
+            if plan.swap_out.numel():
+                self.ops.swap_blocks(device_pool, cpu_pool, plan.swap_out)
+            if plan.swap_in.numel():
+                self.ops.swap_blocks(cpu_pool, device_pool, plan.swap_in)
+            if plan.copies.numel():
+                self.ops.copy_blocks(device_pool, plan.copies.to(self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         """One pass over the seqs into flat typed arrays, each wrapped as a tensor without a per-element
@@ -232,6 +243,12 @@ def _new_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, devic
     if device.type == "cuda":
         return torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
     return torch.empty((num_blocks, *shape), dtype=dtype)
+
+
+def _cpu_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The swap pool; swap-ins only read blocks a swap-out wrote, so it needs no zeroing."""
+    return torch.empty((num_blocks, *shape), dtype=dtype, device="cpu",
+                       pin_memory=device.type == "cuda" and num_blocks > 0)
 
 
 _NO_PAIRS = torch.empty(0, 2, dtype=torch.int64)

@@ -3,7 +3,9 @@ and fp8, the ``fp8`` method), or int8/fp8 made at load (``EngineConfig.quantizat
 quantize and dequantize them.
 
 Every supported scheme is symmetric, per output channel (or per tensor, widened to per channel at load):
-``weight = q * weight_scale`` with q int8 or float8_e4m3fn [out, in] and weight_scale fp32 [out, 1]."""
+``weight = q * weight_scale`` with q int8 or float8_e4m3fn [out, in] and weight_scale fp32 [out, 1]. int8 layers
+may also quantize their input per row at run time (W8A8: dynamic per-token int8 activations, the scheme
+llm-compressor's W8A8 checkpoints are calibrated for)."""
 from __future__ import annotations
 
 import re
@@ -12,7 +14,12 @@ from typing import Literal
 
 import torch
 
+from cuda_ext import reference
+
 QuantMethod = Literal["int8", "fp8"]
+# EngineConfig.quantization's values: (weight format, whether int8 activations are quantized per row too).
+LOAD_SCHEMES: dict[str, tuple[QuantMethod, bool]] = {"int8": ("int8", False), "w8a8": ("int8", True),
+                                                     "fp8": ("fp8", False)}
 WEIGHT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m3fn).max}
 # compressed-tensors formats that store one plain int8 / fp8 tensor per weight (pack-quantized packs int32s).
@@ -24,10 +31,16 @@ class QuantConfig:
     method: QuantMethod
     in_checkpoint: bool  # the checkpoint stores q and weight_scale; else the loaded weights are quantized
     ignore: tuple[str, ...] = ()  # modules kept unquantized: checkpoint names, or "re:" + a regex
+    activations: bool = False  # int8 layers quantize their input per row (W8A8); the LM head never does
 
     @property
     def weight_dtype(self) -> torch.dtype:
         return WEIGHT_DTYPES[self.method]
+
+    @property
+    def scheme(self) -> str:
+        """Its name among EngineConfig.quantization's values."""
+        return "w8a8" if self.activations else self.method
 
     def ignores(self, module_names: list[str]) -> bool:
         """Whether the layer whose checkpoint modules are ``module_names`` (a fused layer's parts) stays
@@ -51,7 +64,13 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
     ValueError naming its field."""
     raw = hf.get("quantization_config")
     if raw is None:
-        return None if requested is None else QuantConfig(requested, in_checkpoint=False)
+        if requested is None:
+            return None
+        method, activations = LOAD_SCHEMES[requested]
+        # W8A8 leaves the LM head as it is, as llm-compressor does: the widest layer, whose logits pick the
+        # tokens, keeps its exact inputs and the fused argmax of the model's dtype.
+        return QuantConfig(method, in_checkpoint=False, ignore=("lm_head",) if activations else (),
+                           activations=activations)
     where = f"{path}/config.json: quantization_config"
     method = raw.get("quant_method")
     if method == "compressed-tensors":
@@ -60,8 +79,8 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
         config = _fp8_method(where, raw)
     else:
         raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8, fp8)")
-    if requested not in (None, config.method):
-        raise ValueError(f"quantization={requested!r}, but {where} stores {config.method} weights")
+    if requested not in (None, config.scheme):
+        raise ValueError(f"quantization={requested!r}, but {where} describes {config.scheme}")
     return config
 
 
@@ -82,16 +101,25 @@ def _compressed_tensors(where: str, raw: dict) -> QuantConfig:
     _require(at + ".weights.group_size", weights.get("group_size"), (None, -1))
     _require(at + ".weights.dynamic", weights.get("dynamic", False), (False,))
     _require(at + ".format", group.get("format") or raw.get("format"), _CT_FORMATS[kind])
-    _check_activations(at + ".input_activations", group.get("input_activations"))
+    int8_activations = _int8_activations(at + ".input_activations", group.get("input_activations"))
     _require(where + ".kv_cache_scheme", raw.get("kv_cache_scheme"), (None,))
-    return QuantConfig("int8" if kind == "int" else "fp8", True, tuple(raw.get("ignore") or ()))
+    return QuantConfig("int8" if kind == "int" else "fp8", True, tuple(raw.get("ignore") or ()),
+                       activations=kind == "int" and int8_activations)
 
 
-def _check_activations(at: str, activations: dict | None) -> None:
-    """Weight-only here: activations stay in the model's dtype, so only dynamic activation quantisation (no
-    input_scale tensors) can be left out."""
-    if activations is not None:
-        _require(at + ".dynamic", activations.get("dynamic"), (True,))
+def _int8_activations(at: str, activations: dict | None) -> bool:
+    """Whether the layers quantize their input per row to int8 (W8A8). Only dynamic schemes run (no
+    input_scale tensors); fp8 activations stay in the model's dtype off the GPU, where _scaled_mm quantizes
+    them per row anyway."""
+    if activations is None:
+        return False
+    _require(at + ".dynamic", activations.get("dynamic"), (True,))
+    if activations.get("type") != "int":
+        return False
+    _require(at + ".num_bits", activations.get("num_bits"), (8,))
+    _require(at + ".symmetric", activations.get("symmetric"), (True,))
+    _require(at + ".strategy", activations.get("strategy"), ("token",))
+    return True
 
 
 def _fp8_method(where: str, raw: dict) -> QuantConfig:
@@ -121,12 +149,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale.float()).to(dtype)
 
 
-def quantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ (q * scale).T + bias where no packed kernel runs it (GPUs, the reference backend): fp8 through
-    ``torch._scaled_mm`` on GPUs with fp8 tensor cores (compute capability 8.9+; x quantised per row, the weight
-    scales per column), else the weight dequantised for one matmul."""
+def quantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                     activations: bool = False) -> torch.Tensor:
+    """x @ (q * scale).T + bias where no packed kernel runs it (GPUs, the reference backend, CPUs without
+    VNNI): fp8 through ``torch._scaled_mm`` on GPUs with fp8 tensor cores (compute capability 8.9+; x quantised
+    per row, the weight scales per column), else the weight dequantised for one matmul; ``activations``: x
+    first rounded to its per-row int8 grid, as skinny_linear_w8a8 reads it."""
     if q.dtype == torch.float8_e4m3fn and _scaled_mm_runs(x, q):
         return _fp8_matmul(x, q, scale, bias)
+    if activations:
+        rows, t = reference.quantize_rows(x.reshape(-1, x.shape[-1]))
+        x = (rows.float() * t).to(x.dtype).view(x.shape)
     return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype), bias)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear
+from engine.layers.vocab_parallel import ParallelLMHead
 from engine.quantization import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,11 @@ def prepare(model: nn.Module, quant: QuantConfig | None) -> dict[str, Linear]:
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, Linear)
               and not quant.ignores(checkpoint_modules(name, packed))
               and not (quant.in_checkpoint and uses[id(layer.weight)] > 1)}
-    if quant.in_checkpoint:
-        for layer in layers.values():
+    for layer in layers.values():
+        if quant.in_checkpoint:
             layer.hold_quantized(quant.weight_dtype)
+        # The LM head keeps its input exact: its logits pick the tokens.
+        layer.quantize_activations = quant.activations and not isinstance(layer, ParallelLMHead)
     return layers
 
 

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler_config import SchedulerConfig
 from engine.demo_model import ensure_demo_model
 from engine.distributed.parallel_state import TensorParallel
+from engine.kv_cache_dtype import KVCacheDtype
 from engine.models.config import ModelConfig, read_model_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class ResolvedConfig:
     device: torch.device  # this rank's
     scheduler: SchedulerConfig
     show_progress: bool
+    kv_cache_dtype: KVCacheDtype
+    kv_bytes_per_token: int  # one token's K/V (and scales) in this rank's pool, all layers
     # Decode-only steps replay CUDA graphs: on CUDA, compiled kernels (the reference ones read lengths on the
     # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager.
     decode_graphs: bool = False
@@ -55,9 +58,10 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
         raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
     model = load(model_config, device, dtype)
+    kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, dtype)
     # A rank stores only its KV heads of every block.
-    token_bytes = (model_config.kv_elements_per_token // model_config.num_kv_heads
-                   * tp.kv_heads(model_config.num_kv_heads) * dtype.itemsize)
+    token_bytes = kv_dtype.token_bytes(model_config.num_layers, tp.kv_heads(model_config.num_kv_heads),
+                                       model_config.head_dim)
     num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, max_model_len, device,
                                                                      tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
@@ -65,7 +69,7 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
                      and tp.size == 1)
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
-                              config.show_progress, decode_graphs)
+                              config.show_progress, kv_dtype, token_bytes, decode_graphs)
     return resolved, model
 
 
@@ -86,8 +90,9 @@ def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, devic
     num_cpu_blocks = config.num_cpu_blocks
     if num_cpu_blocks is None:
         num_cpu_blocks = min(config.swap_space_bytes // block_bytes, num_device_blocks)
-    logger.info("KV cache: %d device blocks and %d CPU swap blocks of %d tokens (%.1f MiB per block)",
-                num_device_blocks, num_cpu_blocks, config.block_size, block_bytes / 2**20)
+    logger.info("KV cache: %d device blocks and %d CPU swap blocks of %d tokens (%.1f MiB per block, %d bytes per "
+                "token, %s)", num_device_blocks, num_cpu_blocks, config.block_size, block_bytes / 2**20, token_bytes,
+                config.kv_cache_dtype)
     return num_device_blocks, num_cpu_blocks
 
 

@@ -28,10 +28,16 @@ checkpoint written as GGUF, the requests decoded in one context whose KV cache h
 pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
 the KV cache unified or one stream per request.
 
-``--quantization int8`` (or fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized at
-load (the LM head too), its throughput as ``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
+``--quantization int8`` (or w8a8, fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized
+at load (the LM head too; w8a8 also quantizes their inputs per row, not the LM head's), its throughput as
+``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
 agreement and KL, teacher-forced on the workload's first prompts: ``loadtest.quant_quality``). ``--dtype``
 sets pagedserve's dtype (both systems), e.g. float32 for a bf16 model on a CPU whose skinny GEMM has no bf16.
+
+``--kv-cache-dtype int8`` (or fp8) adds ``pagedserve-kv-int8``: the same engine with its KV cache quantized, its
+throughput as ``kv-int8_ratio_vs_pagedserve``, and its greedy agreement with the unquantized KV cache (free-running,
+the workload's first 8 prompts, 32 tokens each). With ``--kv-cache-memory-bytes`` small enough that the
+unquantized pool must preempt, the quantized one's ~2x tokens show as throughput.
 
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
@@ -130,7 +136,7 @@ def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) ->
 
 def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu",
                       **overrides) -> dict:
-    """The engine's settings; ``overrides``: dtype, quantization (left out when None)."""
+    """The engine's settings; ``overrides``: dtype, quantization, KV cache dtype and size (left out when None)."""
     return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device,
                 **{k: v for k, v in overrides.items() if v is not None})
@@ -208,24 +214,41 @@ class Measured:
     timers: StepTimers | None = None
 
 
-def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None) -> Measured:
-    tp, overrides = args.tensor_parallel_size, dict(dtype=args.dtype, quantization=quantization)
+def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None,
+                       kv_cache_dtype: str | None = None) -> Measured:
+    tp = args.tensor_parallel_size
+    overrides = dict(dtype=args.dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                     kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device, **overrides)
     return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
-                             f"dtype={args.dtype or 'auto'}, quantization={quantization}",
+                             f"dtype={args.dtype or 'auto'}, quantization={quantization}, "
+                             f"kv_cache_dtype={kv_cache_dtype or 'auto'}",
                     pagedserve_config(args.threads, args.backend, tp, args.device, **overrides), timers)
 
 
 def quantization_quality(path: str, name: str, requests: list[Request], args) -> dict[str, float]:
     """Greedy agreement and KL of the ``--quantization`` model vs the unquantized one, teacher-forced over
     the first 8 prompts, in pagedserve's dtype."""
-    from loadtest.quant_quality import agreement_and_kl, dequantized_copy
+    from loadtest.quant_quality import dequantized_copy, quality_report
 
     dtype = getattr(torch, args.dtype or MODELS[name]["dtype"])
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    agreement, kl = agreement_and_kl(model, dequantized_copy(model, args.quantization),
-                                     [r.prompt for r in requests[:8]])
-    return dict(greedy_agreement=round(agreement, 4), kl=round(kl, 5))
+    quality = quality_report(model, dequantized_copy(model, args.quantization), [r.prompt for r in requests[:8]])
+    return {key: round(value, 5) for key, value in quality.items()}
+
+
+def kv_cache_quality(path: str, requests: list[Request], args) -> dict[str, float]:
+    """Greedy agreement of the ``--kv-cache-dtype`` engine with the unquantized KV cache, position by position
+    (free-running: a flip changes the rest of its sequence), over the first 8 prompts, 32 tokens each."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [r.prompt for r in requests[:8]]
+    runs = []
+    for kv in ("auto", args.kv_cache_dtype):
+        llm = LLM(path, skip_tokenizer_init=True, **pagedserve_config(args.threads, args.backend, device=args.device,
+                                                                       dtype=args.dtype, kv_cache_dtype=kv))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+    same = sum(a == b for base, quant in zip(*runs) for a, b in zip(base, quant))
+    return dict(kv_greedy_agreement=round(same / (32 * len(prompts)), 4))
 
 
 def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
@@ -323,6 +346,9 @@ def run_model(name: str, args, results: list[Result]) -> None:
             if args.quantization:
                 systems[f"pagedserve-{args.quantization}"] = lambda: measure_pagedserve(path, requests, args,
                                                                                         args.quantization)
+            if args.kv_cache_dtype:
+                systems[f"pagedserve-kv-{args.kv_cache_dtype}"] = lambda: measure_pagedserve(
+                    path, requests, args, kv_cache_dtype=args.kv_cache_dtype)
             if not args.skip_hf_static:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
@@ -339,6 +365,11 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 quality = quantization_quality(path, name, requests, args)
                 print(f"   {args.quantization} vs unquantized (teacher-forced, 8 prompts): {quality}", flush=True)
                 for measured in runs[f"pagedserve-{args.quantization}"]:
+                    measured.config.update(quality)
+            if args.kv_cache_dtype:
+                quality = kv_cache_quality(path, requests, args)
+                print(f"   KV cache {args.kv_cache_dtype} vs unquantized (greedy, 8 prompts): {quality}", flush=True)
+                for measured in runs[f"pagedserve-kv-{args.kv_cache_dtype}"]:
                     measured.config.update(quality)
             for system, measured in runs.items():
                 results.append(_record(name, workload, system, tokens, median_run(measured)))
@@ -402,8 +433,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
-    parser.add_argument("--quantization", choices=["int8", "fp8"],
+    parser.add_argument("--quantization", choices=["int8", "w8a8", "fp8"],
                         help="also run pagedserve with its linear layers quantized at load (same run, same requests)")
+    parser.add_argument("--kv-cache-dtype", choices=["int8", "fp8"],
+                        help="also run pagedserve with its KV cache quantized (same run, same requests)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int,
+                        help="pagedserve's KV cache size, every run (default: its share of free memory)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="pagedserve's dtype (default: the model's)")
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")

@@ -8,6 +8,36 @@
 
 namespace pagedserve {
 
+// Quantized KV caches: int8 or float8_e4m3fn codes, each (slot, KV head) row of K and of V with one bf16 scale,
+// the row's absmax / the largest code (cuda_ext/reference.py quantize_kv).
+constexpr float kInt8KVMax = 127.f;
+constexpr float kFp8KVMax = 448.f;
+
+inline bool is_kv_code_dtype(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+
+// key_scale / value_scale: both or neither; bf16 [num_blocks, num_kv_heads, block_size] (any stride(0): views of
+// one all-layer tensor) beside an int8 / fp8 cache. Returns whether the cache is quantized.
+inline bool check_kv_scales(const at::Tensor& key_cache, const c10::optional<at::Tensor>& key_scale,
+                            const c10::optional<at::Tensor>& value_scale, const char* op) {
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), op, ": key_scale and value_scale go together");
+  const bool quantized = key_scale.has_value();
+  TORCH_CHECK(quantized == is_kv_code_dtype(key_cache.scalar_type()), op, ": a ", key_cache.scalar_type(),
+              " KV cache ", quantized ? "takes no scales" : "needs key_scale and value_scale",
+              " (scales go with int8 / float8_e4m3fn caches only)");
+  if (!quantized) return false;
+  for (const at::Tensor* s : {&*key_scale, &*value_scale}) {
+    TORCH_CHECK(s->scalar_type() == at::kBFloat16 && s->dim() == 3 && s->size(0) == key_cache.size(0) &&
+                    s->size(1) == key_cache.size(1) && s->size(2) == key_cache.size(2),
+                op, ": KV scales must be bfloat16 [num_blocks, num_kv_heads, block_size] = ",
+                key_cache.sizes().slice(0, 3), ", got ", s->scalar_type(), " ", s->sizes());
+    TORCH_CHECK(s->stride(2) == 1 && s->stride(1) == s->size(2), op,
+                ": KV scales must be contiguous in [num_kv_heads, block_size], got strides ", s->strides());
+    TORCH_CHECK(s->device() == key_cache.device(), op, ": KV scales on ", s->device(), ", cache on ",
+                key_cache.device());
+  }
+  return true;
+}
+
 // [num_blocks, num_kv_heads, block_size, head_size]; any stride(0) (the
 // engine passes per-layer views of one all-layer tensor), inner dims dense.
 inline void check_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -41,31 +71,40 @@ inline void check_head_size(int64_t d) {
               ")");
 }
 
-inline void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+// Returns whether the cache is quantized (scales given).
+inline bool check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                    const c10::optional<at::Tensor>& key_scale,
+                                    const c10::optional<at::Tensor>& value_scale) {
   check_cache(key_cache, value_cache);
+  const bool quantized = check_kv_scales(key_cache, key_scale, value_scale, "reshape_and_cache");
   const int64_t d = key_cache.size(3);
   check_tokens(key, "key", d);
   check_tokens(value, "value", d);
   TORCH_CHECK(key.sizes() == value.sizes(), "key ", key.sizes(), " and value ", value.sizes(), " differ in shape");
   TORCH_CHECK(key.size(1) == key_cache.size(1), "key has ", key.size(1), " heads, cache has ", key_cache.size(1));
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && (quantized || key.scalar_type() == key_cache.scalar_type()),
               "key/value dtype must match the cache dtype ", key_cache.scalar_type());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.scalar_type() == at::kLong,
               "slot_mapping must be int64 [num_tokens=", key.size(0), "]");
   check_same_device(key, key_cache, "reshape_and_cache");
   check_same_device(slot_mapping, key_cache, "reshape_and_cache slot_mapping");
+  return quantized;
 }
 
-inline void check_paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+// Returns whether the cache is quantized (scales given).
+inline bool check_paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                  const c10::optional<at::Tensor>& key_scale,
+                                  const c10::optional<at::Tensor>& value_scale) {
   check_cache(key_cache, value_cache);
+  const bool quantized = check_kv_scales(key_cache, key_scale, value_scale, "paged_attention");
   const int64_t d = key_cache.size(3);
   check_tokens(query, "query", d);
   check_tokens(out, "out", d);
   TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have the query's shape ", query.sizes());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == key_cache.scalar_type(),
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && (quantized || query.scalar_type() == key_cache.scalar_type()),
               "query/out dtype must match the cache dtype ", key_cache.scalar_type());
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "num query heads ", query.size(1),
               " must be a multiple of num kv heads ", key_cache.size(1));
@@ -81,6 +120,7 @@ inline void check_paged_attention(const at::Tensor& out, const at::Tensor& query
   for (const at::Tensor* t : {&out, &query, &block_tables, &seq_lens, &query_start_loc})
     check_same_device(*t, key_cache, "paged_attention");
   check_head_size(key_cache.size(3));
+  return quantized;
 }
 
 // Whole block rows [num_blocks, ...] move as one dense chunk each.

@@ -8,12 +8,15 @@
 
 namespace pagedserve {
 
+// key_scale / value_scale: the bf16 scales of an int8 / fp8 KV cache (nullopt: unquantized; checks.h).
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                           const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale);
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale,
-                         int64_t sliding_window, double softcap);
+                         int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scale,
+                         const c10::optional<at::Tensor>& value_scale);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 bool skinny_linear_supports_cpu(at::ScalarType dtype);
@@ -30,6 +33,13 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_w8_argmax_cpu(const at::Tensor&
                                                                const at::Tensor& scale,
                                                                const c10::optional<at::Tensor>& bias,
                                                                int64_t out_features);
+// int8 weights and per-row int8 activations (VNNI builds; skinny_linear_w8a8_supports says): the weight packed
+// by pack_linear_weight_w8a8, which also returns each column's offset term (128 sum_k q_ck).
+bool skinny_linear_w8a8_supports_cpu();
+std::tuple<at::Tensor, at::Tensor> pack_linear_weight_w8a8_cpu(const at::Tensor& q);
+at::Tensor skinny_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                  const at::Tensor& col_offset, const c10::optional<at::Tensor>& bias,
+                                  int64_t out_features);
 bool argmax_screen_supports_cpu(at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias);
@@ -56,6 +66,7 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
-                                   int64_t sliding_window);
+                                   int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
+                                   const c10::optional<at::Tensor>& value_scale);
 
 }  // namespace pagedserve

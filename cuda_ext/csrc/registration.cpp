@@ -6,15 +6,17 @@
 #include "ops.h"
 
 TORCH_LIBRARY(pagedserve, m) {
+  // key_scale / value_scale: an int8 / fp8 cache's bf16 scales (None: unquantized; csrc/checks.h).
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, "
-        "int sliding_window=0, float softcap=0.0) -> ()");
+        "int sliding_window=0, float softcap=0.0, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   // The split (flash-decoding) kernels on CUDA; on the CPU the same kernel as paged_attention.
   m.def("paged_attention_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
-        "float scale, int sliding_window=0, float softcap=0.0) -> ()");
+        "float scale, int sliding_window=0, float softcap=0.0, Tensor? key_scale=None, "
+        "Tensor? value_scale=None) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -27,18 +29,23 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("llama_decoder_layer(Tensor(a!) residual, Tensor? hidden, Tensor[] weights, Tensor?[] optional, int[] sizes, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
-        "float eps, float scale, int sliding_window=0) -> Tensor");
+        "float eps, float scale, int sliding_window=0, Tensor(d!)? key_scale=None, Tensor(e!)? value_scale=None) "
+        "-> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
   m.def("skinny_linear_w8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_w8_argmax(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> "
         "(Tensor, Tensor)");
+  m.def("pack_linear_weight_w8a8(Tensor q) -> (Tensor, Tensor)");
+  m.def("skinny_linear_w8a8(Tensor x, Tensor packed, Tensor scale, Tensor col_offset, Tensor? bias, "
+        "int out_features) -> Tensor");
   m.def("pack_argmax_screen(Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
   m.def("skinny_argmax_screened(Tensor x, Tensor weight, Tensor screen, Tensor bounds, Tensor? bias) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
   m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
   m.def("argmax_screen_supports(ScalarType dtype) -> bool", &pagedserve::argmax_screen_supports_cpu);
+  m.def("skinny_linear_w8a8_supports() -> bool", &pagedserve::skinny_linear_w8a8_supports_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -60,6 +67,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);
   m.impl("skinny_linear_w8", &pagedserve::skinny_linear_w8_cpu);
   m.impl("skinny_linear_w8_argmax", &pagedserve::skinny_linear_w8_argmax_cpu);
+  m.impl("pack_linear_weight_w8a8", &pagedserve::pack_linear_weight_w8a8_cpu);
+  m.impl("skinny_linear_w8a8", &pagedserve::skinny_linear_w8a8_cpu);
   m.impl("pack_argmax_screen", &pagedserve::pack_argmax_screen_cpu);
   m.impl("skinny_argmax_screened", &pagedserve::skinny_argmax_screened_cpu);
 }

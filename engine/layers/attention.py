@@ -36,17 +36,21 @@ class PagedAttention(nn.Module):
         self.ops: KernelOps | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # a quantized cache's scales (cuda_ext/reference.py); else None
+        self.v_scale: torch.Tensor | None = None
 
-    def bind(self, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.ops, self.k_cache, self.v_cache = ops, k_cache, v_cache
+    def bind(self, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+        self.ops, self.k_cache, self.v_cache, self.k_scale, self.v_scale = ops, k_cache, v_cache, k_scale, v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         if self.k_cache is None:
             raise RuntimeError("PagedAttention used before the model runner bound its KV cache")
-        self.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, key_scale=self.k_scale,
+                                   value_scale=self.v_scale)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                 self.sliding_window, self.softcap)
+                                 self.sliding_window, self.softcap, key_scale=self.k_scale, value_scale=self.v_scale)
         return out.view(q.shape[0], -1)

@@ -3,7 +3,7 @@ Megatron-style: column-parallel (output features; fused stacks such as q|k|v and
 and row-parallel (input features, one all-reduce). With one rank both are the plain layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class Linear(nn.Linear):
     [out_features, 1] scales; otherwise ``weight_scale`` is None."""
 
     packed: PackedLinear | None = None
+    quantize_activations = False  # W8A8 (engine/quantized_model.py sets it): x quantized per row to int8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -78,8 +79,11 @@ class Linear(nn.Linear):
         self.packed = ops.pack_linear(self.weight, self.bias, **self._scale())
 
     def _scale(self) -> dict:
-        """pack_linear's ``scale`` for an int8 layer (the packed kernels take no fp8)."""
-        return {} if self.weight_scale is None or self.weight.dtype != torch.int8 else {"scale": self.weight_scale}
+        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer (the packed kernels take no
+        fp8)."""
+        if self.weight_scale is None or self.weight.dtype != torch.int8:
+            return {}
+        return {"scale": self.weight_scale, "quantize_activations": self.quantize_activations}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.unpacked(x, self.bias) if self.packed is None else self.packed(x)
@@ -87,7 +91,7 @@ class Linear(nn.Linear):
     def unpacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        return quantized_linear(x, self.weight, self.weight_scale, bias)
+        return quantized_linear(x, self.weight, self.weight_scale, bias, self.quantize_activations)
 
 
 class ColumnParallelLinear(Linear):
@@ -109,6 +113,15 @@ class ColumnParallelLinear(Linear):
         size = self.local_sizes[i]
         start = self.tp.rank * self.part_splits[i] // self.tp.size * size
         return Shard(0, size * self.part_splits[i], start, size, sum(self.local_sizes[:i]))
+
+    def fused_checkpoint_shards(self, param: str) -> list[Shard] | None:
+        """This rank's slice of each part of a checkpoint tensor that stores the parts already stacked (Phi-3's
+        qkv_proj and gate_up_proj): split part by part, as separate tensors would be; None with one part."""
+        if len(self.local_sizes) == 1:
+            return None
+        full = [size * n for size, n in zip(self.local_sizes, self.part_splits)]
+        shards = [self.checkpoint_shard(param, i) for i in range(len(full))]
+        return [replace(shard, total=sum(full), start=sum(full[:i]) + shard.start) for i, shard in enumerate(shards)]
 
 
 class RowParallelLinear(Linear):

@@ -1,21 +1,42 @@
-"""Model families, looked up by the checkpoint's ``architectures`` entry."""
+"""Model families, looked up by the checkpoint's ``architectures`` entry. ``FAMILIES`` is also what the README's
+model table is generated from (``python -m tests.model_table --write``)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.opt import OPTForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "OPTForCausalLM": OPTForCausalLM,
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    name: str
+    classes: dict[str, type[nn.Module]]  # config.json ``architectures`` entry -> the engine's model
+    sliding_window: str = ""  # how the family's windows are laid out; "" = none
+    moe: str = ""  # how experts are routed and sharded; "" = dense
+    tensor_parallel: bool = True
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("Llama 2/3/3.1, TinyLlama, Mistral", {"LlamaForCausalLM": LlamaForCausalLM,
+                                                      "MistralForCausalLM": LlamaForCausalLM},
+                sliding_window="Mistral's `sliding_window`, every layer"),
+    ModelFamily("Qwen2, Qwen2.5", {"Qwen2ForCausalLM": Qwen2ForCausalLM},
+                sliding_window="`use_sliding_window` from `max_window_layers` on"),
+    ModelFamily("Qwen3", {"Qwen3ForCausalLM": Qwen3ForCausalLM},
+                sliding_window="`use_sliding_window` from `max_window_layers` on"),
+    ModelFamily("Phi-3, Phi-3.5, Phi-4-mini", {"Phi3ForCausalLM": Phi3ForCausalLM},
+                sliding_window="`sliding_window`, every layer"),
+    ModelFamily("Gemma 2", {"Gemma2ForCausalLM": Gemma2ForCausalLM},
+                sliding_window="alternating local / global layers"),
+    ModelFamily("Gemma 3 (text)", {"Gemma3ForCausalLM": Gemma3ForCausalLM},
+                sliding_window="5 local : 1 global (`layer_types`)"),
+    ModelFamily("OPT", {"OPTForCausalLM": OPTForCausalLM}),
+)
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: cls for family in FAMILIES for arch, cls in family.classes.items()}
 
 
 def model_class(architecture: str) -> type[nn.Module]:

@@ -41,10 +41,6 @@ class ModelConfig:
         """How far back any layer sees (0: some layer sees the whole context): keys further back can be freed."""
         return 0 if not self.layer_windows or 0 in self.layer_windows else max(self.layer_windows)
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def read_model_config(path: str) -> ModelConfig:
     """Parse ``path/config.json``; clear errors for a missing or odd folder."""

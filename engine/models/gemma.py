@@ -11,10 +11,10 @@ from engine.distributed.parallel_state import TensorParallel
 from engine.layers.activation import GeluTanhAndMul
 from engine.layers.attention import AttentionMetadata
 from engine.layers.norm import GemmaRMSNorm
-from engine.layers.rotary import RopeStep, RotaryEmbedding
+from engine.layers.rotary import RopeConfig, RopeStep, RotaryEmbedding, rope_config
 from engine.layers.vocab_parallel import VocabParallelEmbedding
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, rope_params
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -55,7 +55,7 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids) * self.embed_scale
-        ropes = [RopeStep(rotary, positions) for rotary in self.rotaries]
+        ropes = [rotary.step(positions, meta) for rotary in self.rotaries]
         for layer, rope in zip(self.layers, self.layer_rope):
             h = layer(ropes[rope], h, meta)
         return self.norm(h)
@@ -70,14 +70,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def build_model(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
         _check_runnable(cfg)
-        rotaries = [RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
-                    for theta, scaling in self.rope_tables(cfg.hf)]
+        ropes = self.rope_configs(cfg.hf, cfg.head_dim, cfg.max_position_embeddings)
+        rotaries = [RotaryEmbedding(rope, device, dtype) for rope in ropes]
         return GemmaModel(cfg, rotaries, self.qk_norm, tp, dtype)
 
     @staticmethod
-    def rope_tables(hf: dict) -> list[tuple[float, dict | None]]:
-        """(theta, scaling) of the global layers, then of the local ones where they differ."""
-        return [rope_params(hf)]
+    def rope_configs(hf: dict, head_dim: int, max_position: int) -> list[RopeConfig]:
+        """The global layers' RoPE, then the local ones' where they differ."""
+        return [rope_config(hf, head_dim, max_position)]
 
     def compute_logits(self, hidden: torch.Tensor, need_logits: bool = True) -> tuple[torch.Tensor | None,
                                                                                       torch.Tensor | None]:
@@ -92,14 +92,16 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
 
     @staticmethod
-    def rope_tables(hf: dict) -> list[tuple[float, dict | None]]:
+    def rope_configs(hf: dict, head_dim: int, max_position: int) -> list[RopeConfig]:
         """transformers 5 writes ``rope_parameters`` per layer type; older configs ``rope_theta`` and
         ``rope_scaling`` for the global layers, ``rope_local_base_freq`` for the local ones."""
         params = hf.get("rope_parameters")
         if isinstance(params, dict) and "full_attention" in params:
-            return [rope_params({"rope_parameters": params[kind]}) for kind in ("full_attention", "sliding_attention")]
-        return [(float(hf.get("rope_theta", 1_000_000.0)), hf.get("rope_scaling")),
-                (float(hf.get("rope_local_base_freq", 10_000.0)), None)]
+            kinds = [hf | {"rope_parameters": params[kind]} for kind in ("full_attention", "sliding_attention")]
+        else:
+            kinds = [hf | {"rope_theta": hf.get("rope_theta", 1_000_000.0)},
+                     hf | {"rope_theta": hf.get("rope_local_base_freq", 10_000.0), "rope_scaling": None}]
+        return [rope_config(kind, head_dim, max_position) for kind in kinds]
 
 
 def _check_runnable(cfg: ModelConfig) -> None:

@@ -1,5 +1,6 @@
-"""Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm); per-layer
-sliding windows as ``ModelConfig.layer_windows`` gives them."""
+"""Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Phi-3 / Phi-4-mini
+(checkpoints with q|k|v and gate|up stored fused, partial rotary, LongRoPE); per-layer sliding windows as
+``ModelConfig.layer_windows`` gives them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RopeStep, RotaryEmbedding
+from engine.layers.rotary import RopeStep, RotaryEmbedding, rope_config
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from engine.models.config import ModelConfig
 
@@ -71,7 +72,8 @@ class FusedLayer:
 
     op: Callable[..., torch.Tensor]
     weights: list[torch.Tensor]  # input norm, packed qkv, packed o, post-attention norm, packed gate_up, down
-    optional: list[torch.Tensor | None]  # the qkv, o, gate_up and down biases, the q and k norms (Qwen3)
+    optional: list[torch.Tensor | None]  # the qkv, o, gate_up and down biases, the q and k norms (Qwen3), then
+    # for W8A8 layers each linear's scale and column offsets
     sizes: list[int]  # heads, KV heads, head size, then each linear's output features
     attn: PagedAttention  # the model runner binds its KV cache views after the load
     eps: float
@@ -84,7 +86,7 @@ class FusedLayer:
         out = self.op(residual, h, self.weights, self.optional, self.sizes, rope.positions, rope.rotary.cos,
                       rope.rotary.sin, a.k_cache, a.v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.eps, a.scale,
-                      a.sliding_window)
+                      a.sliding_window, key_scale=a.k_scale, value_scale=a.v_scale)
         return out, residual
 
 
@@ -115,20 +117,24 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU) and unquantized, on one rank (a row-parallel layer needs its all-reduce)."""
+        packed (CPU), unquantized or W8A8, on one rank (a row-parallel layer needs its all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        # The compiled layer takes plain packed weights: an int8 one (``scale``) keeps the layer unfused.
-        unfusable = any(linear.packed is None or linear.packed.scale is not None for linear in linears)
-        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or unfusable:
+        # The compiled layer takes plain packed weights, or W8A8 ones (``col_offset``); a weight-only int8 one
+        # keeps the layer unfused.
+        packed = [linear.packed for linear in linears]
+        w8a8 = all(p is not None and p.col_offset is not None for p in packed)
+        fusable = all(p is not None and p.scale is None for p in packed) or w8a8
+        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or not fusable:
             return
-        qkv, o, gate_up, down = (linear.packed for linear in linears)
+        qkv, o, gate_up, down = packed
         norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
+        quantized = [t for p in packed for t in (p.scale, p.col_offset)] if w8a8 else []
         self.fused = FusedLayer(
             ops.llama_decoder_layer,
             [self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight, gate_up.packed,
              down.packed],
-            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms],
+            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms, *quantized],
             [attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
              gate_up.out_features, down.out_features],
             attn.attn, self.input_layernorm.eps)
@@ -145,7 +151,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        rope = RopeStep(self.rotary, positions)
+        rope = self.rotary.step(positions, meta)
         for layer in self.layers:
             h, residual = layer(rope, h, residual, meta)
         return self.norm(h, residual)
@@ -159,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     tied_by_default = False  # tie_word_embeddings where config.json omits it
+    rope_aliases: dict[str, str] = {}  # legacy rope types the family's configs use for another one
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
@@ -169,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
     def build_model(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
         if cfg.hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cfg.architecture}: unsupported hidden_act {cfg.hf['hidden_act']!r} (only silu)")
-        theta, scaling = rope_params(cfg.hf)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, device, dtype)
+        rope = rope_config(cfg.hf, cfg.head_dim, cfg.max_position_embeddings, self.rope_aliases)
+        rotary = RotaryEmbedding(rope, device, dtype)
         qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
         return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
 
@@ -199,10 +206,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-def rope_params(hf: dict) -> tuple[float, dict | None]:
-    """transformers 5 writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling = params if params.get("rope_type", "default") != "default" else None
-        return float(params["rope_theta"]), scaling
-    return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5-mini, Phi-4-mini: Llama's layer with q|k|v and gate|up stored fused (the loader splits
+    them per part), partial rotary and LongRoPE; transformers reads its legacy "su" and "yarn" as LongRoPE."""
+
+    rope_aliases = {"su": "longrope", "yarn": "longrope"}

@@ -19,6 +19,13 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attent
               # Wider than HF's 0.02 default so logits are peaked and fp32 argmax ties are unlikely.
               initializer_range=0.3)
 
+def longrope_parameters(rotary_dim: int, **extra) -> dict:
+    """LongRoPE with distinct short and long factors per rotary dim pair (the long ones stretch further)."""
+    half = rotary_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / half for i in range(half)],
+            "long_factor": [1.0 + 8.0 * i / half for i in range(half)], **extra}
+
+
 ARCH_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
                                               rope_theta=10000.0, tie_word_embeddings=False),
@@ -45,6 +52,22 @@ ARCH_CONFIGS = {
                                                     head_dim=64, intermediate_size=256, sliding_window=20,
                                                     rope_scaling={"rope_type": "linear", "factor": 8.0},
                                                     tie_word_embeddings=False),
+    # YaRN past its original context of 64: the scaling is static, so the engine is exact at every length.
+    "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                    "factor": 4.0,
+                                                                    "original_max_position_embeddings": 64},
+                                                   tie_word_embeddings=False),
+    # Phi-3: q|k|v and gate|up stored fused, LongRoPE (prompts stay within the original context of 128: short
+    # factors; test_longrope.py goes past it), a sliding window as Phi-3-mini-4k has.
+    "phi3": lambda: transformers.Phi3Config(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                            original_max_position_embeddings=128, sliding_window=48,
+                                            rope_parameters=longrope_parameters(64), tie_word_embeddings=False),
+    # Phi-4-mini's shape: three quarters of each head rotate, tied embeddings.
+    "phi4-mini": lambda: transformers.Phi3Config(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                                 original_max_position_embeddings=128,
+                                                 rope_parameters=longrope_parameters(48, partial_rotary_factor=0.75),
+                                                 tie_word_embeddings=True),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,

@@ -29,12 +29,14 @@ def _meta(positions: list[list[int]], tables: list[list[int]]) -> tuple[torch.Te
     return torch.tensor(flat), meta
 
 
-def _run(model, kv: torch.Tensor, fused: list, steps, vocab: int) -> list[torch.Tensor]:
-    """The model's hidden states for each step, with the given per-layer ``fused`` and KV pool ``kv``."""
+def _run(model, kv: torch.Tensor, fused: list, steps, vocab: int,
+         scales: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The model's hidden states for each step, with the given per-layer ``fused`` and KV pool ``kv`` (and the
+    scale pool of a quantized ``kv``)."""
     ops = cuda_ext.load_ops("ext")
     for i, (layer, f) in enumerate(zip(model.model.layers, fused)):
         layer.fused = f
-        layer.self_attn.attn.bind(ops, kv[:, i, 0], kv[:, i, 1])
+        layer.self_attn.attn.bind(ops, kv[:, i, 0], kv[:, i, 1], *(() if scales is None else scales[:, i].unbind(1)))
     gen = torch.Generator().manual_seed(1)
     outs = []
     with torch.inference_mode():
@@ -44,14 +46,24 @@ def _run(model, kv: torch.Tensor, fused: list, steps, vocab: int) -> list[torch.
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype):
+KV_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+CASES = [(arch, dtype, None, kv) for arch in ("llama", "qwen2", "qwen3") for dtype in (torch.float32, torch.bfloat16)
+         for kv in KV_DTYPES]
+
+
+@pytest.mark.parametrize("arch, dtype, quantization, kv", CASES + [("qwen2", torch.bfloat16, "w8a8", "auto"),
+                                                                   ("qwen3", torch.float32, "w8a8", "int8")])
+def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype, quantization, kv):
+    """Also with W8A8 linear layers, and over a quantized KV cache (``kv``: its codes, with a bf16 scale pool
+    beside them)."""
+    kv_dtype = KV_DTYPES[kv]
     cuda_ext.load_ops("ext")
     if not torch.ops.pagedserve.skinny_linear_supports(dtype):
         pytest.skip(f"{dtype} layers stay on F.linear here (no AVX512-BF16)")
+    if quantization and not torch.ops.pagedserve.skinny_linear_w8a8_supports():
+        pytest.skip("W8A8 layers stay on F.linear here (no AVX512-VNNI)")
     config = read_model_config(build_checkpoint(arch, tmp_path).path)
-    model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False)
+    model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False, quantization=quantization)
     with torch.no_grad():  # norms away from their initial ones (and biases), so a swapped weight would show
         for p in model.parameters():
             if p.dim() == 1:
@@ -64,12 +76,23 @@ def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtyp
              _meta([[6], [21]], tables)]
     attn = model.model.layers[0].self_attn.attn
     shape = (4, config.num_layers, 2, attn.num_kv_heads, BLOCK, config.head_dim)
-    kv_fused, kv_python = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    want = _run(model, kv_python, [None] * len(fused), steps, config.vocab_size)
-    got = _run(model, kv_fused, fused, steps, config.vocab_size)
+    kv_fused, kv_python = (torch.zeros(shape, dtype=kv_dtype or dtype) for _ in range(2))
+    scales_fused, scales_python = (None, None) if kv_dtype is None else (
+        torch.zeros(shape[:-1], dtype=torch.bfloat16) for _ in range(2))
+    want = _run(model, kv_python, [None] * len(fused), steps, config.vocab_size, scales_python)
+    got = _run(model, kv_fused, fused, steps, config.vocab_size, scales_fused)
     for g, w in zip(got, want):
         assert g.dtype == dtype and torch.equal(g, w)
-    assert torch.equal(kv_fused, kv_python)
+    assert torch.equal(kv_fused.view(torch.uint8) if kv_dtype else kv_fused,
+                       kv_python.view(torch.uint8) if kv_dtype else kv_python)
+    if kv_dtype is not None:
+        assert torch.equal(scales_fused, scales_python) and scales_fused.count_nonzero()
+
+
+def test_weight_only_int8_keeps_the_python_forward(tmp_path):
+    config = read_model_config(build_checkpoint("llama", tmp_path).path)
+    model = load_model(config, torch.device("cpu"), torch.float32, cuda_ext.load_ops("ext"), False, quantization="int8")
+    assert all(layer.fused is None for layer in model.model.layers)
 
 
 def test_the_reference_backend_keeps_the_python_forward(tmp_path):

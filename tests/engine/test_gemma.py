@@ -77,8 +77,8 @@ def test_gemma3_rope_tables_in_both_config_formats(tmp_path):
     new_format = config.to_dict()
     legacy = {k: v for k, v in new_format.items() if k != "rope_parameters"} | old_keys
     for hf_dict in (new_format, legacy):
-        tables = Gemma3ForCausalLM.rope_tables(hf_dict)
-        torch.testing.assert_close(torch.stack([rope_inv_freq(64, theta, scaling) for theta, scaling in tables]), want)
+        ropes = Gemma3ForCausalLM.rope_configs(hf_dict, 64, config.max_position_embeddings)
+        torch.testing.assert_close(torch.stack([rope_inv_freq(rope)[0] for rope in ropes]), want)
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -1,43 +1,10 @@
-"""RoPE variants against transformers' own initialisers, config parsing of both rope formats, and the load's
-packing of linear layers."""
+"""The load's packing of linear layers, and the packed LM head's logits and argmax."""
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import cuda_ext
-from engine.layers.rotary import rope_inv_freq
-from engine.models.llama import rope_params
-
-SCALINGS = {
-    "default": {"rope_type": "default", "rope_theta": 10000.0},
-    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-}
-
-
-@pytest.mark.parametrize("rope_type", sorted(SCALINGS))
-def test_rope_frequencies_match_transformers(rope_type):
-    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
-                                      rope_parameters=SCALINGS[rope_type])
-    want, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu") if rope_type != "default" else (
-        1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)), None)
-    theta, scaling = rope_params(config.to_dict())
-    assert torch.equal(rope_inv_freq(64, theta, scaling), want)
-
-
-def test_legacy_rope_config_keys():
-    legacy = {"rope_theta": 500000.0, "rope_scaling": SCALINGS["llama3"]}
-    assert rope_params(legacy) == (500000.0, SCALINGS["llama3"])
-    assert rope_params({}) == (10000.0, None)
-
-
-def test_unknown_rope_scaling_is_rejected():
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
-        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

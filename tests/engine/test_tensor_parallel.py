@@ -39,14 +39,21 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
               attention_backend="ext" if _ext_available() else "torch")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "opt", "gemma2"])
+# ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
+TP_ARCHS = ["llama", "qwen2", "opt", "phi3", "gemma2"]
+
+
+@pytest.fixture(scope="module", params=TP_ARCHS)
 def model(request, tmp_path_factory):
     """(checkpoint, transformers' greedy outputs, a tp=2 LLM): one engine and worker per model, shared by the
     scenarios (each runs on a fresh scheduler over the same KV pools; the ranks never see the scheduler).
-    OPT gets an odd vocabulary, so its embedding and LM head are padded (tied, too)."""
+    OPT gets an odd vocabulary, so its embedding and LM head are padded (tied, too). Phi-3 stores q|k|v and
+    gate|up fused: each rank reads its slice of each part (KV replicated)."""
     config = ARCH_CONFIGS[request.param]()
     if request.param == "opt":
         config.vocab_size = VOCAB + 1
+    if request.param == "phi3":  # its window would free blocks as it slides: the scenarios' pools must fill
+        config.sliding_window = None
     checkpoint = build_checkpoint(request.param, tmp_path_factory.mktemp(f"tp-{request.param}"), config=config)
     reference = [hf_greedy(checkpoint.hf_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     llm = LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)

@@ -1,5 +1,5 @@
-"""The int8-weight skinny GEMM (pack_linear_weight of int8 + skinny_linear_w8, CPU) against the dequantised
-weight's matmul in fp32 and the reference."""
+"""The int8-weight skinny GEMMs (pack_linear_weight of int8 + skinny_linear_w8; pack_linear_weight_w8a8 +
+skinny_linear_w8a8, x quantized per row; CPU) against the dequantised weight's matmul in fp32 and the reference."""
 
 from __future__ import annotations
 
@@ -90,3 +90,69 @@ def test_rejects_bad_inputs(ext_ops):
         w8(x, torch.ops.pagedserve.pack_linear_weight(q.float()), scale, None, 80)
     with pytest.raises(RuntimeError, match="bias must be contiguous"):
         w8(x, packed, scale, bias.bfloat16(), 80)
+
+
+w8a8 = pytest.mark.skipif("not torch.ops.pagedserve.skinny_linear_w8a8_supports()",
+                         reason="this build has no W8A8 GEMM (CPU without AVX512-VNNI)")
+
+
+@w8a8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 48, 49, 64])
+@pytest.mark.parametrize("in_features, out_features", [(896, 1152), (37, 100), (1, 17), (130, 1000)])
+def test_w8a8_matches_reference(ext_ops, dtype, rows, in_features, out_features):
+    """The integer sums are exact: the op equals the reference (x quantized alike, float64 sums) to fp32 rounding
+    of the epilogue (bf16: one bf16 rounding), and the fp32 matmul within the activations' quantization error."""
+    x, q, scale, bias, weight = int8_layer(rows, in_features, out_features, rows + in_features, dtype)
+    packed, col_offset = torch.ops.pagedserve.pack_linear_weight_w8a8(q)
+    ref_packed, ref_offset = reference.pack_linear_weight_w8a8(q, panel=packed.shape[2] // 4)
+    assert torch.equal(packed, ref_packed) and torch.equal(col_offset, ref_offset)
+    for b in (None, bias):
+        y = torch.ops.pagedserve.skinny_linear_w8a8(x, packed, scale, col_offset, b, out_features)
+        ref = reference.skinny_linear_w8a8(x.float(), packed, scale, col_offset, None if b is None else b.float(),
+                                           out_features)
+        assert y.dtype == dtype and y.shape == (rows, out_features)
+        tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+        assert ((y.float() - ref).abs() <= ref.abs() * tolerance + 1e-4).all()
+        assert relative_error(y, expected(x, weight, b)) <= 0.02  # measured ~0.006
+
+
+@w8a8
+def test_w8a8_zero_and_outlier_rows(ext_ops):
+    """A zero row gives the bias exactly; an outlier in one row costs that row alone its resolution."""
+    x, q, scale, bias, weight = int8_layer(3, 256, 80, 7)
+    x[0] = 0
+    x[1, 5] = 1e4
+    packed = cuda_ext.pack_linear(q, bias, scale=scale, quantize_activations=True)
+    assert packed.col_offset is not None
+    y = packed(x)
+    assert torch.equal(y[0], bias)
+    assert relative_error(y[2:], expected(x[2:], weight, bias)) <= 0.02
+
+
+@w8a8
+@pytest.mark.parametrize("threads", [1, 2])
+def test_w8a8_threads_agree(ext_ops, threads):
+    x, q, scale, bias, _ = int8_layer(13, 512, 2000, 11, torch.bfloat16)
+    packed = cuda_ext.pack_linear(q, bias, scale=scale, quantize_activations=True)
+    with torch_threads(threads):
+        y = packed(x)
+    with torch_threads(1):
+        assert torch.equal(y, packed(x))
+
+
+@w8a8
+def test_w8a8_rejects_bad_inputs(ext_ops):
+    x, q, scale, bias, _ = int8_layer(2, 64, 80, 5)
+    packed, col_offset = torch.ops.pagedserve.pack_linear_weight_w8a8(q)
+    op = torch.ops.pagedserve.skinny_linear_w8a8
+    with pytest.raises(RuntimeError, match="does not fit"):  # the W8A16 layout is no W8A8 one
+        op(x, torch.ops.pagedserve.pack_linear_weight(q), scale, col_offset, None, 80)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        op(x[:, :32], packed, scale, col_offset, None, 80)
+    with pytest.raises(RuntimeError, match="col_offset must be"):
+        op(x, packed, scale, col_offset[:40], None, 80)
+    with pytest.raises(RuntimeError, match="scale must be contiguous fp32"):
+        op(x, packed, scale.double(), col_offset, None, 80)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        torch.ops.pagedserve.pack_linear_weight_w8a8(q.float())

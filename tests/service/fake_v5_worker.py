@@ -16,6 +16,7 @@ from service.redis_keys import Keys, consumer_name
 from tests.service.conftest import MODEL_NAME, engine_stats
 
 ENGINE_ID, INCARNATION = "fake", "1"
+BEAT_S = 0.25  # well within the beat's 5 s TTL
 
 
 def expected_text(max_tokens: int) -> str:
@@ -60,15 +61,17 @@ class RedisTransport:
     async def pull(self, count: int) -> list[RequestMsg]:
         await ensure_group(self.client, self._requests)
         response = await self.client.xreadgroup(GROUP, self._consumer, {self._requests: ">"}, count=count)
-        msgs = []
-        for _, entries in response or []:
-            for entry_id, fields in entries:
-                msg = decode(RequestMsg, fields[b"p"])
-                # A duplicated entry (a retried XADD) runs once: the owner is claimed with SET NX.
-                if await self.client.set(self.keys.owner(msg.request_id), self._consumer, nx=True, ex=600):
-                    msgs.append(msg)
-                await self.client.xack(self._requests, GROUP, entry_id)
-        return msgs
+        entries = [entry for _, stream in response or [] for entry in stream]
+        if not entries:
+            return []
+        msgs = [decode(RequestMsg, fields[b"p"]) for _, fields in entries]
+        # One round trip for the whole pull, as a real worker's: a burst is not 2,000 sequential commands.
+        pipe = self.client.pipeline(transaction=False)
+        for msg in msgs:  # a duplicated entry (a retried XADD) runs once: the owner is claimed with SET NX
+            pipe.set(self.keys.owner(msg.request_id), self._consumer, nx=True, ex=600)
+        pipe.xack(self._requests, GROUP, *(entry_id for entry_id, _ in entries))
+        *owned, _ = await pipe.execute()
+        return [msg for msg, won in zip(msgs, owned) if won]
 
     async def aborts(self) -> list[str]:
         response = await self.client.xread({self.keys.aborts: self._abort_cursor})
@@ -105,10 +108,21 @@ class FakeV5Worker:
         self.stopped = True
 
     async def run(self) -> None:
+        """Steps until stopped. It beats from a task of its own, as a real worker does: a step slowed down
+        by a busy event loop (a burst, a loaded machine) is not a dead engine. A failed step or beat ends both."""
+        beats = asyncio.create_task(self._beat())
+        try:
+            while not self.stopped and not beats.done():
+                await self.step()
+                await asyncio.sleep(self.step_s)
+        finally:
+            self.stopped = True
+            await beats  # its error, if it had one
+
+    async def _beat(self) -> None:
         while not self.stopped:
             await self.transport.beat(Heartbeat(ENGINE_ID, INCARNATION, MODEL_NAME, 2048, engine_stats()))
-            await self.step()
-            await asyncio.sleep(self.step_s)
+            await asyncio.sleep(BEAT_S)
 
     async def step(self) -> None:
         for request_id in await self.transport.aborts():

@@ -37,7 +37,9 @@ async def serving(gateway: Gateway, worker: FakeV5Worker) -> AsyncIterator[TestC
             yield client
     finally:
         worker.stop()
-        await asyncio.gather(task, return_exceptions=True)  # a failed step ends it too
+        (ended,) = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(ended, Exception):  # then the streams' errors are its consequence: say why
+            raise AssertionError(f"the fake worker failed: {ended!r}") from ended
 
 
 async def one_stream(client: TestClient) -> tuple[int, str]:
@@ -49,8 +51,12 @@ async def one_stream(client: TestClient) -> tuple[int, str]:
     text = ""
     for block in (await response.read()).decode().strip().split("\n\n"):
         data = block.split("\n")[1][len("data: "):]
-        if data != "[DONE]":
-            text += json.loads(data)["choices"][0]["text"]
+        if data == "[DONE]":
+            continue
+        event = json.loads(data)
+        if "choices" not in event:  # an in-stream error ends it: the failure message shows the event
+            return 200, data
+        text += event["choices"][0]["text"]
     return 200, text
 
 
@@ -58,7 +64,8 @@ async def burst(client: TestClient, gateway: Gateway) -> list[int]:
     results = await asyncio.wait_for(asyncio.gather(*(one_stream(client) for _ in range(BURST))), 240)
     statuses = [status for status, _ in results]
     assert set(statuses) <= {200, 429}, [r for r in results if r[0] not in (200, 429)][:3]
-    assert all(text == expected_text(MAX_TOKENS) for status, text in results if status == 200)
+    wrong = [text for status, text in results if status == 200 and text != expected_text(MAX_TOKENS)]
+    assert not wrong, f"{len(wrong)} streams got other text or an error event, e.g. {wrong[:3]}"
     assert gateway.broker.num_subscriptions == 0  # no per-request state left
     return statuses
 

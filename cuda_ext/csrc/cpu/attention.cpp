@@ -6,14 +6,18 @@
 // (decode: vectorized dot products; prefill tiles: K transposed into a [D, chunk]
 // fp32 panel for a register-blocked GEMM), then causal mask, online softmax
 // update and V accumulation, all fp32; the output is cast once at the end.
+// An int8 / fp8 cache (per slot and head bf16 scales, csrc/checks.h) is dequantised a block at a time into the
+// same fp32 buffers a bf16 cache is converted into.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../checks.h"
@@ -44,13 +48,14 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 template <int64_t D>
 constexpr int64_t kVecEnd = D / kW * kW;
 
-// Raw pointers and strides (in elements) of one call.
-template <typename T>
+// Raw pointers and strides (in elements) of one call: queries and outputs of type T, a cache of type C (T, or
+// int8 / fp8 codes with scales).
+template <typename T, typename C>
 struct Problem {
   const T* q;
   T* out;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, k_stride_b, v_stride_b;
   const int32_t* block_tables;
   int64_t table_stride, max_blocks, num_blocks;
@@ -60,7 +65,13 @@ struct Problem {
   float scale;
   int64_t window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
   float softcap;   // scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 = off
+  const c10::BFloat16* k_scale = nullptr;  // a quantized cache's [num_blocks, Hkv, block_size] scales
+  const c10::BFloat16* v_scale = nullptr;
+  int64_t ks_stride_b = 0, vs_stride_b = 0;
 };
+
+template <typename C>
+constexpr bool kIsCode = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
 
 struct WorkItem {
   int64_t seq, kv_head, i0, i1;  // query rows [i0, i1) of the sequence
@@ -82,8 +93,8 @@ struct Scratch {
         v_rows(chunk / bs) {}
 };
 
-template <typename T, int64_t D>
-void load_queries(const Problem<T>& p, const WorkItem& w, int64_t q_start, Scratch& sc) {
+template <typename T, typename C, int64_t D>
+void load_queries(const Problem<T, C>& p, const WorkItem& w, int64_t q_start, Scratch& sc) {
   const int64_t g_count = p.group;
   for (int64_t i = w.i0; i < w.i1; ++i)
     for (int64_t g = 0; g < g_count; ++g) {
@@ -97,15 +108,24 @@ void load_queries(const Problem<T>& p, const WorkItem& w, int64_t q_start, Scrat
     }
 }
 
-// n rows of a cache block as fp32: the block itself for float, converted into buf otherwise.
-template <int64_t D>
-const float* as_f32(const float* block, int64_t, float*) { return block; }
-template <int64_t D>
-const float* as_f32(const c10::BFloat16* block, int64_t n, float* buf) {
-  const int64_t end = n * D / kW * kW;
-  for (int64_t i = 0; i < end; i += kW) load_f32(block + i).store(buf + i);
-  for (int64_t i = end; i < n * D; ++i) buf[i] = static_cast<float>(block[i]);
-  return buf;
+// n rows of a cache block as fp32: the block itself for float, converted into buf for bf16, dequantised into buf
+// (code * its row's scale) for int8 / fp8.
+template <int64_t D, typename C>
+const float* as_f32(const C* block, const c10::BFloat16* scales, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<C, float>) {
+    return block;
+  } else if constexpr (kIsCode<C>) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float s = static_cast<float>(scales[t]);
+      for (int64_t d = 0; d < D; ++d) buf[t * D + d] = static_cast<float>(block[t * D + d]) * s;
+    }
+    return buf;
+  } else {
+    const int64_t end = n * D / kW * kW;
+    for (int64_t i = 0; i < end; i += kW) load_f32(block + i).store(buf + i);
+    for (int64_t i = end; i < n * D; ++i) buf[i] = static_cast<float>(block[i]);
+    return buf;
+  }
 }
 
 // Paged blocks sit at addresses the hardware prefetcher cannot guess: request
@@ -117,9 +137,9 @@ void prefetch(const T* p, int64_t n) {
 }
 
 // Keys and values of one sequence and kv head, addressed through its block table.
-template <typename T, int64_t D>
+template <typename T, typename C, int64_t D>
 struct PagedKV {
-  const Problem<T>& p;
+  const Problem<T, C>& p;
   const int32_t* table;
   int64_t kv_head, seq, num_keys;
 
@@ -128,15 +148,21 @@ struct PagedKV {
     TORCH_CHECK(b >= 0 && b < p.num_blocks, "block_tables[", seq, ", ", blk, "] = ", b, " out of range");
     return b;
   }
-  const T* key(int64_t blk) const { return p.k_cache + phys(blk) * p.k_stride_b + kv_head * p.block_size * D; }
-  const T* value(int64_t blk) const { return p.v_cache + phys(blk) * p.v_stride_b + kv_head * p.block_size * D; }
+  const C* key(int64_t blk) const { return p.k_cache + phys(blk) * p.k_stride_b + kv_head * p.block_size * D; }
+  const C* value(int64_t blk) const { return p.v_cache + phys(blk) * p.v_stride_b + kv_head * p.block_size * D; }
+  // The block's scales of this head (null for an unquantized cache).
+  const c10::BFloat16* key_scales(int64_t blk) const { return scales(p.k_scale, p.ks_stride_b, blk); }
+  const c10::BFloat16* value_scales(int64_t blk) const { return scales(p.v_scale, p.vs_stride_b, blk); }
+  const c10::BFloat16* scales(const c10::BFloat16* base, int64_t stride, int64_t blk) const {
+    return base ? base + phys(blk) * stride + kv_head * p.block_size : nullptr;
+  }
   int64_t tokens(int64_t blk) const { return std::min(p.block_size, num_keys - blk * p.block_size); }
   int64_t num_blocks() const { return (num_keys + p.block_size - 1) / p.block_size; }
 };
 
 // Prefetch of the block one chunk ahead of blk, so its K and V arrive while this chunk computes.
-template <typename T, int64_t D>
-void prefetch_ahead(const PagedKV<T, D>& kv, int64_t blk, int64_t per_chunk) {
+template <typename T, typename C, int64_t D>
+void prefetch_ahead(const PagedKV<T, C, D>& kv, int64_t blk, int64_t per_chunk) {
   const int64_t ahead = blk + per_chunk;
   if (ahead >= kv.num_blocks()) return;
   prefetch(kv.key(ahead), kv.tokens(ahead) * D);
@@ -144,23 +170,33 @@ void prefetch_ahead(const PagedKV<T, D>& kv, int64_t blk, int64_t per_chunk) {
 }
 
 // kt[:, c] = k_c for the keys of blocks [b0, b1).
-template <typename T, int64_t D>
-void stage_keys(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, Scratch& sc) {
+template <typename T, typename C, int64_t D>
+void stage_keys(const PagedKV<T, C, D>& kv, int64_t b0, int64_t b1, Scratch& sc) {
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t n = kv.tokens(blk);
-    at::vec::transpose_mxn<float>(as_f32<D>(kv.key(blk), n, sc.kf.data()), D, &sc.kt[(blk - b0) * sc.block_size],
-                                  sc.ld, n, D);
+    at::vec::transpose_mxn<float>(as_f32<D>(kv.key(blk), kv.key_scales(blk), n, sc.kf.data()), D,
+                                  &sc.kt[(blk - b0) * sc.block_size], sc.ld, n, D);
     prefetch_ahead(kv, blk, b1 - b0);
   }
 }
 
+// score_direct's K rows: the cache block itself (fp32, or bf16 converted as it is loaded), or a quantized one
+// dequantised into buf.
+template <typename T, typename C, int64_t D>
+auto direct_keys(const PagedKV<T, C, D>& kv, int64_t blk, float* buf) {
+  if constexpr (kIsCode<C>)
+    return as_f32<D>(kv.key(blk), kv.key_scales(blk), kv.tokens(blk), buf);
+  else
+    return kv.key(blk);
+}
+
 // For a few rows (decode: one GQA group) the transpose costs more than it saves
 // (measured: ~1.5x slower at 7 rows): plain dot products straight from the cache
-// rows, one horizontal sum each. Prefill tiles (64 rows) use the panel.
-template <typename T, int64_t D>
-void score_direct(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, int64_t rows, Scratch& sc) {
+// rows, one horizontal sum each (a quantized block dequantised first). Prefill tiles (64 rows) use the panel.
+template <typename T, typename C, int64_t D>
+void score_direct(const PagedKV<T, C, D>& kv, int64_t b0, int64_t b1, int64_t rows, Scratch& sc) {
   for (int64_t blk = b0; blk < b1; ++blk) {
-    const T* k = kv.key(blk);
+    const auto* k = direct_keys(kv, blk, sc.kf.data());
     float* s = &sc.s[(blk - b0) * sc.block_size];
     for (int64_t t = 0, n = kv.tokens(blk); t < n; ++t) {
       Vec kr[D / kW];
@@ -248,11 +284,11 @@ void softmax_update(int64_t r, int64_t first, int64_t valid, Scratch& sc) {
 
 // acc[r] = acc[r] * alpha[r] + sum_{t < valid[r]} p[r, t] * v_t, the row's
 // accumulator held in registers across the chunk.
-template <typename T, int64_t D>
-void accumulate_values(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, int64_t rows, Scratch& sc) {
+template <typename T, typename C, int64_t D>
+void accumulate_values(const PagedKV<T, C, D>& kv, int64_t b0, int64_t b1, int64_t rows, Scratch& sc) {
   const int64_t bs = sc.block_size;
   for (int64_t blk = b0; blk < b1; ++blk)
-    sc.v_rows[blk - b0] = as_f32<D>(kv.value(blk), kv.tokens(blk), &sc.vf[(blk - b0) * bs * D]);
+    sc.v_rows[blk - b0] = as_f32<D>(kv.value(blk), kv.value_scales(blk), kv.tokens(blk), &sc.vf[(blk - b0) * bs * D]);
   for (int64_t r = 0; r < rows; ++r) {
     if (sc.valid[r] <= 0) continue;
     float* out = &sc.acc[r * D];
@@ -276,8 +312,8 @@ void accumulate_values(const PagedKV<T, D>& kv, int64_t b0, int64_t b1, int64_t 
   }
 }
 
-template <typename T, int64_t D>
-void store_rows(const Problem<T>& p, const WorkItem& w, int64_t q_start, const Scratch& sc) {
+template <typename T, typename C, int64_t D>
+void store_rows(const Problem<T, C>& p, const WorkItem& w, int64_t q_start, const Scratch& sc) {
   for (int64_t i = w.i0; i < w.i1; ++i)
     for (int64_t g = 0; g < p.group; ++g) {
       const int64_t r = (i - w.i0) * p.group + g;
@@ -287,24 +323,24 @@ void store_rows(const Problem<T>& p, const WorkItem& w, int64_t q_start, const S
     }
 }
 
-template <typename T, int64_t D>
-void attend(const Problem<T>& p, const WorkItem& w, Scratch& sc) {
+template <typename T, typename C, int64_t D>
+void attend(const Problem<T, C>& p, const WorkItem& w, Scratch& sc) {
   const int64_t q_start = p.query_start_loc[w.seq];
   const int64_t q_len = p.query_start_loc[w.seq + 1] - q_start;
   const int64_t first_pos = p.seq_lens[w.seq] - q_len + w.i0;  // position of row i0
-  const PagedKV<T, D> kv{p, p.block_tables + w.seq * p.table_stride, w.kv_head, w.seq,
+  const PagedKV<T, C, D> kv{p, p.block_tables + w.seq * p.table_stride, w.kv_head, w.seq,
                          p.seq_lens[w.seq] - q_len + w.i1};  // keys visible to the last row
   const int64_t rows = (w.i1 - w.i0) * p.group, per_chunk = sc.chunk / p.block_size;
   // The first row's window starts the first chunk: blocks before it no row of the item sees.
   const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  load_queries<T, D>(p, w, q_start, sc);
+  load_queries<T, C, D>(p, w, q_start, sc);
   for (int64_t b0 = lowest / p.block_size; b0 < kv.num_blocks(); b0 += per_chunk) {
     const int64_t b1 = std::min(kv.num_blocks(), b0 + per_chunk), c0 = b0 * p.block_size;
     const int64_t n = std::min(kv.num_keys, b1 * p.block_size) - c0;
     if (rows <= kDirectRows) {
-      score_direct<T, D>(kv, b0, b1, rows, sc);
+      score_direct(kv, b0, b1, rows, sc);
     } else {
-      stage_keys<T, D>(kv, b0, b1, sc);
+      stage_keys(kv, b0, b1, sc);
       score_chunk<D>(n, rows, sc);
     }
     if (p.softcap > 0.f) softcap_scores(rows, n, p.softcap, sc);
@@ -312,13 +348,13 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& sc) {
       const int64_t pos = first_pos + r / p.group;
       softmax_update(r, p.window > 0 ? pos - p.window + 1 - c0 : 0, std::min(n, pos + 1 - c0), sc);
     }
-    accumulate_values<T, D>(kv, b0, b1, rows, sc);
+    accumulate_values(kv, b0, b1, rows, sc);
   }
-  store_rows<T, D>(p, w, q_start, sc);
+  store_rows<T, C, D>(p, w, q_start, sc);
 }
 
-template <typename T>
-std::vector<WorkItem> plan(const Problem<T>& p, int64_t num_seqs, int64_t num_kv_heads) {
+template <typename P>
+std::vector<WorkItem> plan(const P& p, int64_t num_seqs, int64_t num_kv_heads) {
   const int64_t tile = std::max<int64_t>(1, kTileRows / p.group);
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -336,8 +372,8 @@ std::vector<WorkItem> plan(const Problem<T>& p, int64_t num_seqs, int64_t num_kv
   return items;
 }
 
-template <typename T, int64_t D>
-void run(const Problem<T>& p, int64_t num_seqs, int64_t num_kv_heads) {
+template <typename T, typename C, int64_t D>
+void run(const Problem<T, C>& p, int64_t num_seqs, int64_t num_kv_heads) {
   const auto items = plan(p, num_seqs, num_kv_heads);
   const int64_t rows = std::max<int64_t>(1, kTileRows / p.group) * p.group;
   int64_t work = 0;
@@ -347,35 +383,50 @@ void run(const Problem<T>& p, int64_t num_seqs, int64_t num_kv_heads) {
   std::atomic<int64_t> next{0};
   parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch sc(rows, D, p.block_size);
-    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) attend<T, D>(p, items[i], sc);
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) attend<T, C, D>(p, items[i], sc);
   });
 }
 
-template <typename T>
-void dispatch_head_size(const Problem<T>& p, int64_t d, int64_t num_seqs, int64_t num_kv_heads) {
+template <typename T, typename C>
+void dispatch_head_size(const Problem<T, C>& p, int64_t d, int64_t num_seqs, int64_t num_kv_heads) {
   switch (d) {
 #define PAGEDSERVE_CASE(D) \
-  case D: return run<T, D>(p, num_seqs, num_kv_heads);
+  case D: return run<T, C, D>(p, num_seqs, num_kv_heads);
     PAGEDSERVE_HEAD_SIZES(PAGEDSERVE_CASE)
 #undef PAGEDSERVE_CASE
     default: check_head_size(d);  // throws
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-            double scale, int64_t window, double softcap) {
-  const Problem<T> p{query.data_ptr<T>(), out.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+            double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& key_scale,
+            const c10::optional<at::Tensor>& value_scale) {
+  Problem<T, C> p{query.data_ptr<T>(), out.data_ptr<T>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
                      query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
                      value_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                      block_tables.size(1), key_cache.size(0), seq_lens.data_ptr<int32_t>(),
                      query_start_loc.data_ptr<int32_t>(), query.size(1) / key_cache.size(1), key_cache.size(2),
                      static_cast<float>(scale), window, static_cast<float>(softcap)};
+  if (key_scale) {
+    p.k_scale = key_scale->data_ptr<c10::BFloat16>(), p.v_scale = value_scale->data_ptr<c10::BFloat16>();
+    p.ks_stride_b = key_scale->stride(0), p.vs_stride_b = value_scale->stride(0);
+  }
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[block_tables.size(0)] <= query.size(0),
               "query_start_loc must stay within the query's ", query.size(0), " rows");
-  dispatch_head_size<T>(p, key_cache.size(3), block_tables.size(0), key_cache.size(1));
+  dispatch_head_size(p, key_cache.size(3), block_tables.size(0), key_cache.size(1));
+}
+
+// The cache's element type: T itself, or int8 / fp8 codes.
+template <typename T, typename... Args>
+void launch_for_cache(const at::Tensor& key_cache, Args&&... args) {
+  switch (key_cache.scalar_type()) {
+    case at::kChar: return launch<T, int8_t>(std::forward<Args>(args)...);
+    case at::kFloat8_e4m3fn: return launch<T, c10::Float8_e4m3fn>(std::forward<Args>(args)...);
+    default: return launch<T, T>(std::forward<Args>(args)...);
+  }
 }
 
 }  // namespace
@@ -383,17 +434,19 @@ void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                         double scale, int64_t sliding_window, double softcap) {
-  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+                         double scale, int64_t sliding_window, double softcap,
+                         const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale) {
+  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, key_scale,
+                        value_scale);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   switch (query.scalar_type()) {
     case at::kFloat:
-      return launch<float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window, softcap);
+      return launch_for_cache<float>(key_cache, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, sliding_window, softcap, key_scale, value_scale);
     case at::kBFloat16:
-      return launch<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   sliding_window, softcap);
+      return launch_for_cache<c10::BFloat16>(key_cache, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, sliding_window, softcap, key_scale, value_scale);
     default: TORCH_CHECK(false, "CPU paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
 }

@@ -19,6 +19,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return at::mul(weight, at::rms_norm(x.to(at::kFloat), {n}, c10::nullopt, eps).to(x.scalar_type()));
 }
 
+// Linear layer ``i`` of qkv, o, gate_up, down: packed weights[(1, 2, 4, 5)[i]], its bias optional[i]; W8A8
+// layers (optional has 14 entries) also have their scale and column offsets at optional[6 + 2i], [7 + 2i].
+at::Tensor linear(const at::Tensor& x, int64_t i, at::TensorList weights,
+                  const c10::List<c10::optional<at::Tensor>>& optional, int64_t out_features) {
+  static constexpr int64_t kWeight[] = {1, 2, 4, 5};
+  const c10::optional<at::Tensor> bias = optional.get(i);
+  if (optional.size() == 6 || !optional.get(6 + 2 * i).has_value())
+    return skinny_linear_cpu(x, weights[kWeight[i]], bias, out_features);
+  return skinny_linear_w8a8_cpu(x, weights[kWeight[i]], *optional.get(6 + 2 * i), *optional.get(7 + 2 * i), bias,
+                                out_features);
+}
+
 }  // namespace
 
 at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& hidden,
@@ -28,33 +40,36 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
-                                   int64_t sliding_window) {
-  TORCH_CHECK(weights.size() == 6 && optional.size() == 6 && sizes.size() == 7,
+                                   int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
+                                   const c10::optional<at::Tensor>& value_scale) {
+  TORCH_CHECK(weights.size() == 6 && (optional.size() == 6 || optional.size() == 14) && sizes.size() == 7,
               "llama_decoder_layer takes 6 weights (input norm, qkv, o, post-attention norm, gate_up, down), "
-              "6 optional ones (qkv, o, gate_up and down biases, q and k norms) and 7 sizes, got ", weights.size(),
-              ", ", optional.size(), " and ", sizes.size());
+              "6 optional ones (qkv, o, gate_up and down biases, q and k norms; then, for W8A8 layers, each "
+              "linear's scale and column offsets) and 7 sizes, got ", weights.size(), ", ", optional.size(), " and ",
+              sizes.size());
   const int64_t tokens = residual.size(0), heads = sizes[0], kv_heads = sizes[1], d = sizes[2];
   // Without `hidden` (the first layer) the residual stream is the layer's input as it is.
   const at::Tensor x = hidden ? fused_add_rms_norm_cpu(residual, *hidden, weights[0], eps)
                               : rms_norm(residual, weights[0], eps);
-  const at::Tensor qkv = skinny_linear_cpu(x, weights[1], optional.get(0), sizes[3]).view({tokens, -1, d});
+  const at::Tensor qkv = linear(x, 0, weights, optional, sizes[3]).view({tokens, -1, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   const c10::optional<at::Tensor> q_norm = optional.get(4), k_norm = optional.get(5);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "llama_decoder_layer: a q norm without a k norm or back");
   if (q_norm)  // each head normalised (Qwen3), into a new q|k as the Python forward's two norms and cat
     qk = at::cat(
         {rms_norm(qk.narrow(1, 0, heads), *q_norm, eps), rms_norm(qk.narrow(1, heads, kv_heads), *k_norm, eps)}, 1);
-  rotary_embedding_cpu(qk, positions, cos, sin);
+  at::Tensor rotated = qk.narrow(2, 0, 2 * cos.size(1));  // partial rotary (Phi-4-mini): the leading dims alone
+  rotary_embedding_cpu(rotated, positions, cos, sin);
   const at::Tensor q = qk.narrow(1, 0, heads);
   reshape_and_cache_cpu(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), key_cache,
-                        value_cache, slot_mapping);
+                        value_cache, slot_mapping, key_scale, value_scale);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len, scale, sliding_window, /*softcap=*/0.0);
-  const at::Tensor o = skinny_linear_cpu(attn.view({tokens, heads * d}), weights[2], optional.get(1), sizes[4]);
+                      max_seq_len, scale, sliding_window, /*softcap=*/0.0, key_scale, value_scale);
+  const at::Tensor o = linear(attn.view({tokens, heads * d}), 1, weights, optional, sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
-  const at::Tensor gate_up = skinny_linear_cpu(h, weights[4], optional.get(2), sizes[5]);
-  return skinny_linear_cpu(silu_and_mul_cpu(gate_up), weights[5], optional.get(3), sizes[6]);
+  const at::Tensor gate_up = linear(h, 2, weights, optional, sizes[5]);
+  return linear(silu_and_mul_cpu(gate_up), 3, weights, optional, sizes[6]);
 }
 
 }  // namespace pagedserve

@@ -17,6 +17,12 @@
 // symmetric quantisation, y = (x @ q.T) * scale + bias). x is fp32, or bf16 widened to fp32 first (the output
 // then rounded to bf16 as the bf16 layer's is).
 //
+// int8 weights and int8 activations (skinny_linear_w8a8, AVX512-VNNI builds): each row of x is quantized at
+// call time (symmetric per row, t_r = max|x_r| / 127, offset by 128 since vpdpbusd multiplies unsigned by
+// signed bytes); panels are [ceil(K / 4), kPanel, 4] signed bytes, 4 k per 32-bit lane. The integer sums
+// minus 128 sum_k q_ck (the offset's share, given at pack time) times t_r and the column's scale are y. Half
+// the bf16 weight bytes and 64 multiply-adds per instruction, twice vdpbf16ps's.
+//
 // bf16 (builds for AVX512-BF16 CPUs only): a panel is [ceil(K / 2), kPanel, 2], k
 // pairs interleaved for vdpbf16ps, which multiplies a broadcast pair of x by a
 // pair of weights per lane and adds both products to the fp32 accumulator.
@@ -131,9 +137,16 @@ void group_tile(bool amx, int64_t rows, const T* x, int64_t ldx, const W* panel,
 // One panel's output rows, of a layer in dtype R; with ``best``, each row's columns also go into its running
 // argmax (fp32 output only). ``amx``: x has whole 16-row blocks (padded past m) and the thread's tiles are
 // configured.
+// W8A8's per-row scales t_r and per-column offsets 128 sum_k q_ck (see the header); null for other layers.
+struct ActQuant {
+  const float* row_scale = nullptr;
+  const float* col_offset = nullptr;
+};
+
 template <typename S, typename R, typename O, typename T = typename S::T, typename W = typename S::W>
 void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const W* panel, const float* scale,
-               const float* bias, int64_t p, int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx) {
+               const float* bias, int64_t p, int64_t cols, O* yp, int64_t ldy, RowBest* best, bool amx,
+               const ActQuant& act) {
   float tmp[std::max(kGroupRows, int64_t{16}) * kPanel];
   const int64_t group = amx ? 16 : kGroupRows;
   for (int64_t g0 = 0; g0 < m; g0 += group) {
@@ -141,6 +154,11 @@ void run_panel(const T* xp, int64_t m, int64_t ldx, int64_t k_len, const W* pane
     group_tile<S>(amx, rows, xp + g0 * ldx, ldx, panel, k_len, tmp);
     for (int64_t r = 0; r < rows; ++r) {
       O* out = yp + (g0 + r) * ldy + p * kPanel;
+      if (act.row_scale != nullptr) {
+        const Vec t(act.row_scale[g0 + r]);
+        at::vec::map2([t](Vec a, Vec o) { return (a - o) * t; }, tmp + r * kPanel, tmp + r * kPanel,
+                      act.col_offset + p * kPanel, cols);
+      }
       store_row<R>(tmp + r * kPanel, scale, bias, cols, out);
       if constexpr (std::is_same_v<O, float>)
         if (best != nullptr) best->update(g0 + r, out, p * kPanel, cols);
@@ -172,7 +190,7 @@ std::tuple<const T*, int64_t, bool> amx_rows(const at::Tensor& x, std::vector<T>
 template <typename S, typename R = typename S::T, typename O = R, typename T = typename S::T,
           typename W = typename S::W>
 void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-         std::vector<RowBest::Result>* chunks = nullptr, const float* scale = nullptr) {
+         std::vector<RowBest::Result>* chunks = nullptr, const float* scale = nullptr, const ActQuant& act = {}) {
   const int64_t m = x.size(0), out_features = y.size(1), panels = packed.size(0),
                 panel_numel = packed.size(1) * packed.size(2);  // not packed[0].numel(): a tensor per call
   std::vector<float> bias_f;
@@ -185,7 +203,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
   int64_t ldx;
   bool amx;
   std::tie(xp, ldx, amx) = amx_rows<S>(x, padded);  // not structured bindings: C++17 lambdas cannot capture them
-  const W* pk = packed.data_ptr<W>();
+  const W* pk = static_cast<const W*>(packed.const_data_ptr());  // W8A8: the signed bytes, read as I8Step's
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(m * panel_numel, 1));
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     std::optional<RowBest> best;
@@ -198,7 +216,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
       run_panel<S, R, O>(xp, m, ldx, x.size(1), pk + p * panel_numel, scale == nullptr ? nullptr : scale + p * kPanel,
                          bias_f.empty() ? nullptr : bias_f.data() + p * kPanel,
                          p, std::min(kPanel, out_features - p * kPanel), y.data_ptr<O>(), y.stride(0),
-                         best ? &*best : nullptr, amx);
+                         best ? &*best : nullptr, amx, act);
     if (best) (*chunks)[begin] = best->result();
   });
 }
@@ -299,26 +317,32 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_argmax_cpu(const at::Tensor& x,
 
 namespace {
 
-void check_w8_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// x, the scales and the bias of an int8 layer (``op``: its name in errors).
+void check_w8_operands(const char* op, const at::Tensor& x, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.stride(1) == 1,
-              "skinny_linear_w8: x must be fp32 or bf16 [rows, in_features] with a dense last dim, got ", dtype, " ",
-              x.sizes(), " strides ", x.strides());
+              op, ": x must be fp32 or bf16 [rows, in_features] with a dense last dim, got ", dtype, " ", x.sizes(),
+              " strides ", x.strides());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out_features && scale.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat,
+              op, ": scale must be contiguous fp32 [", out_features, "], got ", scale.scalar_type(), " ",
+              scale.sizes());
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                    bias->scalar_type() == dtype,
+                op, ": bias must be contiguous ", dtype, " [", out_features, "]");
+}
+
+void check_w8_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_w8_operands("skinny_linear_w8", x, scale, bias, out_features);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
                   packed.size(0) == panels && packed.size(1) == x.size(1) && packed.size(2) == kPanel,
               "skinny_linear_w8: packed weight ", packed.scalar_type(), " ", packed.sizes(), " does not fit x ",
               x.sizes(), " and out_features ", out_features, " (expected int8 [", panels, ", ", x.size(1), ", ", kPanel,
               "] from pack_linear_weight)");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out_features && scale.is_contiguous() &&
-                  scale.scalar_type() == at::kFloat,
-              "skinny_linear_w8: scale must be contiguous fp32 [", out_features, "], got ", scale.scalar_type(), " ",
-              scale.sizes());
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
-                    bias->scalar_type() == dtype,
-                "skinny_linear_w8: bias must be contiguous ", dtype, " [", out_features, "]");
 }
 
 // x as W8Step reads it: fp32 (bf16 rows widened into ``wide``, by hand: see amx_rows).
@@ -367,6 +391,103 @@ std::tuple<at::Tensor, at::Tensor> skinny_linear_w8_argmax_cpu(const at::Tensor&
   else
     run_w8<float>(x, packed, scale, bias, y, &chunks);
   return {y, combine_chunks(chunks, y)};
+}
+
+namespace {
+
+#ifdef PAGEDSERVE_SKINNY_INT8
+// Row r of x (fp32 or bf16, K values) as I8Step reads it: round(x / t_r) + 128 in [1, 255], padded to K4 with
+// 128 (a zero); t_r = max|x_r| / 127 (1 for a zero row). NaN/inf rows give garbage, as a bf16 GEMM gives NaN.
+template <typename T>
+float quantize_row(const T* x, int64_t k_len, int64_t k4, float* wide, uint8_t* out) {
+  at::vec::convert(x, wide, k_len);
+  __m512 top = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + kW <= k_len; k += kW) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(wide + k)));
+  float m = _mm512_reduce_max_ps(top);
+  for (int64_t j = k; j < k_len; ++j) m = std::max(m, std::fabs(wide[j]));
+  const float scale = m > 0.f ? m / 127.f : 1.f, inv = 1.f / scale;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
+  for (k = 0; k + kW <= k_len; k += kW) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(wide + k), _mm512_set1_ps(inv)));  // to nearest even
+    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(q));
+  }
+  for (; k < k_len; ++k)
+    out[k] = static_cast<uint8_t>(std::clamp<int>(static_cast<int>(std::nearbyint(wide[k] * inv)), -127, 127) + 128);
+  std::fill(out + k_len, out + k4, uint8_t{128});
+  return scale;
+}
+
+// Every row of x quantized into ``q`` [m, K4], their scales into ``row_scale``.
+void quantize_rows(const at::Tensor& x, at::Tensor& q, std::vector<float>& row_scale) {
+  const int64_t m = x.size(0), k_len = x.size(1), k4 = q.size(1);
+  row_scale.resize(m);
+  std::vector<float> wide(k_len);
+  for (int64_t r = 0; r < m; ++r) {
+    uint8_t* out = q.data_ptr<uint8_t>() + r * k4;
+    row_scale[r] = x.scalar_type() == at::kFloat
+                       ? quantize_row(x.data_ptr<float>() + r * x.stride(0), k_len, k4, wide.data(), out)
+                       : quantize_row(x.data_ptr<BFloat16>() + r * x.stride(0), k_len, k4, wide.data(), out);
+  }
+}
+#endif
+
+void check_w8a8_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& col_offset, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_w8_operands("skinny_linear_w8a8", x, scale, bias, out_features);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel, k4 = (x.size(1) + 3) / 4 * 4;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(0) == panels && packed.size(1) == k4 / 4 && packed.size(2) == 4 * kPanel,
+              "skinny_linear_w8a8: packed weight ", packed.scalar_type(), " ", packed.sizes(), " does not fit x ",
+              x.sizes(), " and out_features ", out_features, " (expected int8 [", panels, ", ", k4 / 4, ", ",
+              4 * kPanel, "] from pack_linear_weight_w8a8)");
+  TORCH_CHECK(col_offset.dim() == 1 && col_offset.size(0) == out_features && col_offset.is_contiguous() &&
+                  col_offset.scalar_type() == at::kFloat,
+              "skinny_linear_w8a8: col_offset must be contiguous fp32 [", out_features, "]");
+}
+
+}  // namespace
+
+bool skinny_linear_w8a8_supports_cpu() {
+#ifdef PAGEDSERVE_SKINNY_INT8
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_linear_weight_w8a8_cpu(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar,
+              "pack_linear_weight_w8a8: weight must be int8 [out_features, in_features], got ", q.scalar_type(), " ",
+              q.sizes());
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kPanel - 1) / kPanel, k4 = (k + 3) / 4 * 4;
+  // [panels, K4 / 4, kPanel, 4]: zero rows pad the last panel, zero columns K to a multiple of 4.
+  const at::Tensor padded = at::constant_pad_nd(q, {0, k4 - k, 0, panels * kPanel - n}, 0);
+  at::Tensor packed = padded.view({panels, kPanel, k4 / 4, 4}).permute({0, 2, 1, 3}).reshape({panels, k4 / 4, 4 * kPanel});
+  at::Tensor col_offset = q.sum(1, /*keepdim=*/false, at::kInt).to(at::kFloat).mul_(128.f);
+  return {packed.contiguous(), col_offset};
+}
+
+at::Tensor skinny_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                  const at::Tensor& col_offset, const c10::optional<at::Tensor>& bias,
+                                  int64_t out_features) {
+  check_w8a8_inputs(x, packed, scale, col_offset, bias, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+#ifdef PAGEDSERVE_SKINNY_INT8
+  at::Tensor q = at::empty({x.size(0), packed.size(1) * 4}, x.options().dtype(at::kByte));
+  std::vector<float> row_scale;
+  quantize_rows(x, q, row_scale);
+  const ActQuant act{row_scale.data(), col_offset.data_ptr<float>()};
+  if (x.scalar_type() == at::kBFloat16)
+    run<I8Step, BFloat16>(q, packed, bias, y, nullptr, scale.data_ptr<float>(), act);
+  else
+    run<I8Step, float>(q, packed, bias, y, nullptr, scale.data_ptr<float>(), act);
+  return y;
+#else
+  TORCH_CHECK(false, "skinny_linear_w8a8 needs a build for an AVX512-VNNI CPU (skinny_linear_w8a8_supports)");
+#endif
 }
 
 }  // namespace pagedserve

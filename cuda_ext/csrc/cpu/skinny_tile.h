@@ -37,6 +37,7 @@ inline constexpr int64_t kMinWorkPerThread = 1 << 20;  // multiply-adds (~12 us 
 struct F32Step {
   using T = float;
   using W = float;
+  static constexpr int64_t kTileRows = kRows;  // rows of x per register tile
   using Acc = Vec;
   using Operand = Vec;
   static constexpr int64_t kDepth = 1;  // k values per step
@@ -74,6 +75,7 @@ struct W8Step : F32Step {
 struct Bf16Step {
   using T = BFloat16;
   using W = BFloat16;
+  static constexpr int64_t kTileRows = kRows;
   using Acc = __m512;
   using Operand = __m512bh;
   static constexpr int64_t kDepth = 2;
@@ -103,6 +105,8 @@ struct Bf16Step {
 struct I8Step {
   using T = uint8_t;
   using W = T;  // the panel's signed bytes, as argmax_screen_int8.cpp stores them
+  // 5 and 6-row tiles ran at half the speed per row of 4-row ones (Zen 5, 1-13 rows): the broadcasts spill.
+  static constexpr int64_t kTileRows = 4;
   using Acc = __m512i;
   using Operand = __m512i;
   static constexpr int64_t kDepth = 4;
@@ -181,7 +185,7 @@ void tile_rows(int64_t rows, const typename S::T* x, int64_t ldx, const typename
     case 3: return tile<S, 3>(x, ldx, panel, k_len, out, accumulate, ahead);
     case 4: return tile<S, 4>(x, ldx, panel, k_len, out, accumulate, ahead);
     case 5: return tile<S, 5>(x, ldx, panel, k_len, out, accumulate, ahead);
-    default: return tile<S, kRows>(x, ldx, panel, k_len, out, accumulate, ahead);
+    default: return tile<S, S::kTileRows>(x, ldx, panel, k_len, out, accumulate, ahead);
   }
 }
 
@@ -216,12 +220,13 @@ void tile_group(int64_t rows, const T* x, int64_t ldx, const W* panel, int64_t k
   if constexpr (std::is_same_v<S, W8Step>)
     if (rows > kRows) return widened_group(rows, x, ldx, panel, k_len, out);
   constexpr int64_t chunk = kChunkBytes / kDepthBytes<S> * S::kDepth, lines = kDepthBytes<S> / 64;
-  const int64_t blocks = (rows + kRows - 1) / kRows;
+  constexpr int64_t height = S::kTileRows;
+  const int64_t blocks = (rows + height - 1) / height;
   for (int64_t k0 = 0; k0 < k_len; k0 += chunk) {
     // Past a panel's end the thread's next panel follows in memory; a prefetch past the weights is harmless.
     Prefetch ahead{reinterpret_cast<const char*>(panel + k0 * kPanel) + kChunkBytes, (lines + blocks - 1) / blocks};
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows)
-      tile_rows<S>(std::min(kRows, rows - r0), x + r0 * ldx + k0, ldx, panel + k0 * kPanel,
+    for (int64_t r0 = 0; r0 < rows; r0 += height)
+      tile_rows<S>(std::min(height, rows - r0), x + r0 * ldx + k0, ldx, panel + k0 * kPanel,
                    std::min(chunk, k_len - k0), out + r0 * kPanel, k0 > 0, ahead);
   }
 }

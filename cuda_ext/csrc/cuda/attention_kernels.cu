@@ -3,7 +3,8 @@
 // One CUDA block per (query row, query head); its kWarps warps stride over the
 // row's visible keys, each lane holding head_size / 32 dims of q and of the
 // accumulator. Each warp keeps an online softmax; warps merge in shared memory
-// at the end. fp32 math, exact expf.
+// at the end. fp32 math, exact expf. A quantized cache's codes are dequantised in registers: a key's score and
+// a value's weight take its row's scale.
 #include <cfloat>
 
 #include "../head_sizes.h"
@@ -50,7 +51,16 @@ __device__ void merge_warps(float m, float l, const float* acc, T* out) {
   }
 }
 
-template <typename T, int D>
+// Row `row` of block `block`'s scale in a quantized cache; 1 for a plain one (the multiply folds away).
+template <typename C>
+__device__ __forceinline__ float row_scale(const void* scales, int64_t stride_b, int64_t block, int64_t row) {
+  if constexpr (kIsCode<C>)
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(scales)[block * stride_b + row]);
+  else
+    return 1.f;
+}
+
+template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionArgs a) {
   constexpr int kPer = (D + 31) / 32;
   const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -71,29 +81,30 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionA
   }
   for (int j = first + warp; j < n_keys; j += kWarps) {
     const int64_t block = table[j / a.block_size];
-    const int64_t row = (static_cast<int64_t>(kv_head) * a.block_size + j % a.block_size) * D;
-    const T* k = static_cast<const T*>(a.key_cache) + block * a.k_stride_b + row;
-    const T* v = static_cast<const T*>(a.value_cache) + block * a.v_stride_b + row;
+    const int64_t slot = static_cast<int64_t>(kv_head) * a.block_size + j % a.block_size;
+    const C* k = static_cast<const C*>(a.key_cache) + block * a.k_stride_b + slot * D;
+    const C* v = static_cast<const C*>(a.value_cache) + block * a.v_stride_b + slot * D;
     float s = 0.f;
     for (int i = 0; i < kPer; ++i)
       if (lane + 32 * i < D) s += q[i] * to_float(k[lane + 32 * i]);
-    s = soft_cap(warp_sum(s), a.softcap);
+    s = soft_cap(warp_sum(s) * row_scale<C>(a.key_scale, a.ks_stride_b, block, slot), a.softcap);
     const float m_new = fmaxf(m, s), alpha = expf(m - m_new), p = expf(s - m_new);
+    const float pv = p * row_scale<C>(a.value_scale, a.vs_stride_b, block, slot);
     l = l * alpha + p;
     for (int i = 0; i < kPer; ++i)
-      if (lane + 32 * i < D) acc[i] = acc[i] * alpha + p * to_float(v[lane + 32 * i]);
+      if (lane + 32 * i < D) acc[i] = acc[i] * alpha + pv * to_float(v[lane + 32 * i]);
     m = m_new;
   }
   T* out = static_cast<T*>(a.out) + t * a.out_stride_t + h * a.out_stride_h;
   merge_warps<T, D>(m, l, acc, out);
 }
 
-template <typename T>
+template <typename T, typename C>
 cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.num_tokens, a.num_heads);
   switch (a.head_size) {
 #define PAGEDSERVE_CASE(D) \
-  case D: paged_attention_kernel<T, D><<<grid, kWarps * 32, 0, stream>>>(a); break;
+  case D: paged_attention_kernel<T, C, D><<<grid, kWarps * 32, 0, stream>>>(a); break;
     PAGEDSERVE_HEAD_SIZES(PAGEDSERVE_CASE)
 #undef PAGEDSERVE_CASE
     default: return cudaErrorInvalidValue;
@@ -103,9 +114,12 @@ cudaError_t launch(const AttentionArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream) {
+cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, KVCodes codes, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
-  return with_dtype(dtype, [&](auto zero) { return launch<decltype(zero)>(args, stream); });
+  return with_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    return with_cache_type<T>(codes, [&](auto cache_zero) { return launch<T, decltype(cache_zero)>(args, stream); });
+  });
 }
 
 }  // namespace pagedserve::cuda

@@ -28,29 +28,46 @@ cuda::Dtype dtype_of(const at::Tensor& t) {
   }
 }
 
+cuda::KVCodes codes_of(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return cuda::KVCodes::i8;
+    case at::kFloat8_e4m3fn: return cuda::KVCodes::fp8;
+    default: return cuda::KVCodes::none;
+  }
+}
+
 void check_cuda(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, " failed: ", cudaGetErrorString(err));
 }
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale) {
+  const bool quantized = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, key_scale,
+                                                 value_scale);
   if (key.size(0) == 0) return;
   const c10::DeviceGuard guard(key.device());
   const auto slots = slot_mapping.contiguous();
-  const cuda::CacheWriteArgs args{key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+  cuda::CacheWriteArgs args{key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                                   slots.data_ptr<int64_t>(), key.size(0), key.stride(0), key.stride(1),
                                   value.stride(0), value.stride(1), key_cache.stride(0), value_cache.stride(0),
                                   static_cast<int>(key.size(1)), static_cast<int>(key_cache.size(2)),
                                   static_cast<int>(key.size(2))};
-  check_cuda(cuda::reshape_and_cache(args, dtype_of(key), current_stream(key.device())), "reshape_and_cache");
+  if (quantized) {
+    args.key_scale = key_scale->data_ptr(), args.value_scale = value_scale->data_ptr();
+    args.ks_stride_b = key_scale->stride(0), args.vs_stride_b = value_scale->stride(0);
+  }
+  check_cuda(cuda::reshape_and_cache(args, dtype_of(key), codes_of(key_cache), current_stream(key.device())),
+             "reshape_and_cache");
 }
 
 cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   int64_t sliding_window, double softcap) {
-  check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+                                   int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scale,
+                                   const c10::optional<at::Tensor>& value_scale) {
+  const bool quantized = check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                               query_start_loc, key_scale, value_scale);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   return {out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -59,17 +76,21 @@ cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, con
           block_tables.stride(0), static_cast<int>(query.size(0)), static_cast<int>(block_tables.size(0)),
           static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(1)), static_cast<int>(key_cache.size(3)),
           static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window),
-          static_cast<float>(softcap)};
+          static_cast<float>(softcap),
+          quantized ? key_scale->data_ptr() : nullptr, quantized ? value_scale->data_ptr() : nullptr,
+          quantized ? key_scale->stride(0) : 0, quantized ? value_scale->stride(0) : 0};
 }
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
-                          double scale, int64_t sliding_window, double softcap) {
+                          double scale, int64_t sliding_window, double softcap,
+                          const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale) {
   const auto args = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, softcap);
+                                   scale, sliding_window, softcap, key_scale, value_scale);
   const c10::DeviceGuard guard(query.device());
-  check_cuda(cuda::paged_attention(args, dtype_of(query), current_stream(query.device())), "paged_attention");
+  check_cuda(cuda::paged_attention(args, dtype_of(query), codes_of(key_cache), current_stream(query.device())),
+             "paged_attention");
 }
 
 // The split kernels read K/V rows with 16-byte loads.
@@ -82,9 +103,14 @@ void check_16_byte_rows(const at::Tensor& cache, const char* name) {
 void paged_attention_split_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
-                                int64_t max_seq_len, double scale, int64_t sliding_window, double softcap) {
+                                int64_t max_seq_len, double scale, int64_t sliding_window, double softcap,
+                                const c10::optional<at::Tensor>& key_scale,
+                                const c10::optional<at::Tensor>& value_scale) {
+  if (key_scale)  // the split kernels stage 16-bit / fp32 K/V rows: a quantized cache runs the simple kernel
+    return paged_attention_cuda(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                max_query_len, max_seq_len, scale, sliding_window, softcap, key_scale, value_scale);
   const auto attn = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, softcap);
+                                   scale, sliding_window, softcap, key_scale, value_scale);
   check_16_byte_rows(key_cache, "key_cache");
   check_16_byte_rows(value_cache, "value_cache");
   TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, "paged_attention_split: max_query_len and max_seq_len must be "

@@ -2,6 +2,9 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "launch.h"
 
@@ -10,6 +13,11 @@ namespace pagedserve::cuda {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+
+template <typename C>
+constexpr bool kIsCode = std::is_same_v<C, int8_t> || std::is_same_v<C, __nv_fp8_e4m3>;
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -30,6 +38,17 @@ cudaError_t with_dtype(Dtype dtype, Fn&& fn) {
     case Dtype::f32: return fn(float{});
     case Dtype::f16: return fn(__half{});
     case Dtype::bf16: return fn(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Calls fn(C{}) with the cache element type: T itself for an unquantized cache, else the codes' type.
+template <typename T, typename Fn>
+cudaError_t with_cache_type(KVCodes codes, Fn&& fn) {
+  switch (codes) {
+    case KVCodes::none: return fn(T{});
+    case KVCodes::i8: return fn(int8_t{});
+    case KVCodes::fp8: return fn(__nv_fp8_e4m3{});
   }
   return cudaErrorInvalidValue;
 }

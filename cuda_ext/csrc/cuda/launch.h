@@ -10,6 +10,9 @@
 namespace pagedserve::cuda {
 
 enum class Dtype { f32, f16, bf16 };
+// A quantized KV cache's codes (csrc/checks.h), each (slot, KV head) row with a bf16 scale; none: the cache holds
+// the activations' dtype.
+enum class KVCodes { none, i8, fp8 };
 
 struct CacheWriteArgs {
   const void* key;
@@ -19,6 +22,9 @@ struct CacheWriteArgs {
   const int64_t* slot_mapping;
   int64_t num_tokens, key_stride_t, key_stride_h, value_stride_t, value_stride_h, k_stride_b, v_stride_b;
   int heads, block_size, head_size;
+  void* key_scale = nullptr;  // quantized: bf16 [num_blocks, heads, block_size] views
+  void* value_scale = nullptr;
+  int64_t ks_stride_b = 0, vs_stride_b = 0;
 };
 
 struct AttentionArgs {
@@ -34,6 +40,9 @@ struct AttentionArgs {
   float scale;
   int window;  // sliding window: a row at position t sees keys (t - window, t]; 0 = all of [0, t]
   float softcap;  // scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 = off
+  const void* key_scale = nullptr;  // quantized: bf16 [num_blocks, num_kv_heads, block_size] views
+  const void* value_scale = nullptr;
+  int64_t ks_stride_b = 0, vs_stride_b = 0;
 };
 
 // The split kernels (attention_split.cu): decode rows in context partitions of kSplitPartition tokens, each CTA
@@ -88,9 +97,9 @@ struct TokenBitmaskArgs {
   const int64_t* rows;     // [k], on the device
   int64_t k, n, stride, num_words;
 };
-cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, KVCodes codes, cudaStream_t stream);
 cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
-cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, cudaStream_t stream);
+cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, KVCodes codes, cudaStream_t stream);
 cudaError_t paged_attention_split(const SplitAttentionArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);

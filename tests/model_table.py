@@ -1,0 +1,84 @@
+"""The README's model table, generated from the engine's registry (engine.models.FAMILIES) and from what the
+tests run: each family's token-exact checkpoints (tests/engine/conftest.py ARCH_CONFIGS) with their sizes,
+whether tensor parallelism and quantized weights are tested on it, and the benchmarks' shapes.
+
+    python -m tests.model_table           # print it
+    python -m tests.model_table --write   # rewrite it in README.md, between its markers
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine.models import FAMILIES, ModelFamily
+from loadtest.bench_offline import MODELS
+from tests.engine.conftest import ARCH_CONFIGS
+from tests.engine.test_quantization import QUANTIZED_ARCHS
+from tests.engine.test_tensor_parallel import TP_ARCHS
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN, END = "<!-- model-table:begin -->", "<!-- model-table:end -->"
+HEADER = ("| family | `architectures` | sliding window | MoE | tested token-exact vs transformers (fp32) "
+          "| tensor parallel | quantized weights | benchmarked shapes |\n|---|---|---|---|---|---|---|---|")
+
+
+def architecture(config: transformers.PretrainedConfig) -> str:
+    return transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+
+
+def parameters(config: transformers.PretrainedConfig) -> str:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    return f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e3:.0f}K"
+
+
+def row(family: ModelFamily, tested: dict[str, list[str]], benchmarked: dict[str, list[str]]) -> str:
+    names = [name for arch in family.classes for name in tested.get(arch, [])]
+    shown = ", ".join(f"`{name}` ({parameters(ARCH_CONFIGS[name]())})" for name in names) or "no"
+    tp = "tp=2, tested" if set(names) & set(TP_ARCHS) else "yes" if family.tensor_parallel else "no"
+    quantized = "int8, w8a8, fp8: tested" if set(names) & set(QUANTIZED_ARCHS) else "int8, w8a8, fp8"
+    shapes = ", ".join(name for arch in family.classes for name in benchmarked.get(arch, [])) or "-"
+    archs = ", ".join(f"`{arch}`" for arch in family.classes)
+    return (f"| {family.name} | {archs} | {family.sliding_window or '-'} | {family.moe or '-'} | {shown} | {tp} "
+            f"| {quantized} | {shapes} |")
+
+
+def render() -> str:
+    tested: dict[str, list[str]] = {}
+    for name, make in ARCH_CONFIGS.items():
+        tested.setdefault(architecture(make()), []).append(name)
+    benchmarked: dict[str, list[str]] = {}
+    for name, spec in MODELS.items():
+        benchmarked.setdefault(f"{spec['arch'].capitalize()}ForCausalLM", []).append(name)
+    return "\n".join([HEADER, *(row(family, tested, benchmarked) for family in FAMILIES)])
+
+
+def in_readme(text: str) -> str:
+    """The table between the README's markers."""
+    match = re.search(re.escape(BEGIN) + r"\n(.*?)\n?" + re.escape(END), text, re.S)
+    if match is None:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return match.group(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the table in README.md")
+    args = parser.parse_args()
+    table = render()
+    if not args.write:
+        print(table)
+        return
+    text = README.read_text()
+    in_readme(text)  # the markers are there
+    block = re.compile(re.escape(BEGIN) + r"\n.*?\n?" + re.escape(END), re.S)
+    README.write_text(block.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text, count=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""The README's model table is the one tests/model_table.py generates from the registry and the tests."""
+from engine.models import MODEL_REGISTRY
+from tests.engine.conftest import ARCH_CONFIGS
+from tests.model_table import README, architecture, in_readme, render
+
+
+def test_readme_model_table_is_generated():
+    assert in_readme(README.read_text()) == render(), "run: python -m tests.model_table --write"
+
+
+def test_every_registered_architecture_is_tested_token_exact():
+    tested = {architecture(make()) for make in ARCH_CONFIGS.values()}
+    assert set(MODEL_REGISTRY) - tested <= {"MistralForCausalLM"}  # Mistral: LlamaForCausalLM's code, tested as mistral-window
