@@ -33,6 +33,10 @@ load (the LM head too), its throughput as ``int8_ratio_vs_pagedserve``, and how 
 agreement and KL, teacher-forced on the workload's first prompts: ``loadtest.quant_quality``). ``--dtype``
 sets pagedserve's dtype (both systems), e.g. float32 for a bf16 model on a CPU whose skinny GEMM has no bf16.
 
+``--async-scheduling`` adds ``pagedserve-async``: the same engine with ``EngineConfig.async_scheduling`` (the next
+step scheduled while the forward pass runs), its throughput as ``async_ratio_vs_pagedserve`` (it has no
+``step_ms``: its parts overlap, on two threads).
+
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
 (by wall time) and its ``config["runs_s"]`` lists every run's (wall, CPU) seconds.
@@ -130,19 +134,20 @@ def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) ->
 
 def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu",
                       **overrides) -> dict:
-    """The engine's settings; ``overrides``: dtype, quantization (left out when None)."""
+    """The engine's settings; ``overrides``: dtype, quantization, async_scheduling (left out when None)."""
     return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device,
                 **{k: v for k, v in overrides.items() if v is not None})
 
 
 def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1,
-                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers]:
-    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
+                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers | None]:
+    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers (none with async scheduling:
+    the timers assume one thread)."""
     llm = LLM(path, skip_tokenizer_init=True,
               **pagedserve_config(threads, backend, tensor_parallel_size, device, **overrides))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
-    timers = instrument(llm.engine)
+    timers = None if llm.engine.config.async_scheduling else instrument(llm.engine)
     return timed(lambda: _run_pagedserve(llm, requests)), timers
 
 
@@ -208,11 +213,14 @@ class Measured:
     timers: StepTimers | None = None
 
 
-def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None) -> Measured:
-    tp, overrides = args.tensor_parallel_size, dict(dtype=args.dtype, quantization=quantization)
+def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None,
+                       async_scheduling: bool = False) -> Measured:
+    tp = args.tensor_parallel_size
+    overrides = dict(dtype=args.dtype, quantization=quantization, async_scheduling=async_scheduling or None)
     seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device, **overrides)
     return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
-                             f"dtype={args.dtype or 'auto'}, quantization={quantization}",
+                             f"dtype={args.dtype or 'auto'}, quantization={quantization}"
+                             + (", async scheduling" if async_scheduling else ""),
                     pagedserve_config(args.threads, args.backend, tp, args.device, **overrides), timers)
 
 
@@ -323,6 +331,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
             if args.quantization:
                 systems[f"pagedserve-{args.quantization}"] = lambda: measure_pagedserve(path, requests, args,
                                                                                         args.quantization)
+            if args.async_scheduling:
+                systems["pagedserve-async"] = lambda: measure_pagedserve(path, requests, args, async_scheduling=True)
             if not args.skip_hf_static:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
@@ -404,6 +414,8 @@ def main() -> None:
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
     parser.add_argument("--quantization", choices=["int8", "fp8"],
                         help="also run pagedserve with its linear layers quantized at load (same run, same requests)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run pagedserve with async scheduling (pagedserve-async)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="pagedserve's dtype (default: the model's)")
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
