@@ -82,7 +82,7 @@ class StepPipeline:
                    if seq.status is SequenceStatus.RUNNING}
         if not scheduler.can_schedule_ahead(pending.keys()):
             return None
-        scheduler.mark_computed(current)
+        scheduler.mark_computed(current, register=False)
         held = [seq for _, _, seq in current.samples() if seq.seq_id in pending]
         for seq in held:
             seq.token_ids.append(PLACEHOLDER)

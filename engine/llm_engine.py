@@ -232,7 +232,7 @@ class LLMEngine:
         if ahead is not None and not ahead.out.is_empty:
             pipeline.launch_ahead(ahead, tokens)
         sampled = self._output(samples, tokens, values)
-        return outputs + self._process_samples(out, logits, sampled, marked=ahead is not None)
+        return outputs + self._process_samples(out, logits, sampled)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
@@ -247,9 +247,8 @@ class LLMEngine:
         logger.exception("step failed; failing its request")
         return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
-    def _process_samples(self, out: SchedulerOutput, logits: Logits | None, sampled: SamplerOutput,
-                         marked: bool = False) -> list[RequestOutput]:
-        """``marked``: the scheduler already marked ``out``'s K/V computed (``StepPipeline.schedule_ahead``)."""
+    def _process_samples(self, out: SchedulerOutput, logits: Logits | None, sampled: SamplerOutput
+                         ) -> list[RequestOutput]:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
@@ -257,8 +256,7 @@ class LLMEngine:
             self._record_prompt_logprobs(out, logits.prompt)  # first: the positions are read off the seqs' tokens
         samples, beams = out.samples(), out.beam_samples()
         beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
-        update = self.scheduler.record_samples if marked else self.scheduler.update_from_output
-        groups = update(out, sampled, beam_tokens)
+        groups = self.scheduler.update_from_output(out, sampled, beam_tokens)
         if self._grammars:
             self._advance_grammars(samples)
         return [self._step_output(g, now) for g in groups]

@@ -147,7 +147,7 @@ def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: 
     llm = LLM(path, skip_tokenizer_init=True,
               **pagedserve_config(threads, backend, tensor_parallel_size, device, **overrides))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
-    timers = None if llm.engine.config.async_scheduling else instrument(llm.engine)
+    timers = None if overrides.get("async_scheduling") else instrument(llm.engine)
     return timed(lambda: _run_pagedserve(llm, requests)), timers
 
 

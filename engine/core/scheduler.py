@@ -186,11 +186,6 @@ class Scheduler:
         that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
         it is over), in schedule order."""
         self.mark_computed(out)
-        return self.record_samples(out, sampled, beam_tokens)
-
-    def record_samples(self, out: SchedulerOutput, sampled: SamplerOutput,
-                       beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
-        """``update_from_output`` once ``mark_computed(out)`` is done (async scheduling does it early)."""
         groups: dict[SequenceGroup, None] = {}  # an ordered set
         for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
             if seq.status is RUNNING:  # not finished or aborted meanwhile
@@ -243,16 +238,17 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.status = SequenceStatus.FINISHED_ABORTED
 
-    def mark_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote (or, run ahead, will write) K/V for every scheduled token; then the forks
-        share it."""
+    def mark_computed(self, out: SchedulerOutput, register: bool = True) -> None:
+        """The forward pass wrote K/V for every scheduled token; then the forks share it. Async scheduling
+        marks a step in flight early with ``register=False``: its blocks join the prefix cache only when it
+        is done (``update_from_output`` marks it again, which changes nothing else), since it may fail."""
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not RUNNING:
                 continue
             seq.num_computed_tokens = done = s.start + s.num_new_tokens
-            mark_computed(seq.seq_id, done, seq.token_ids)
+            mark_computed(seq.seq_id, done, seq.token_ids, register)
             for child in s.forks:
                 self._fork(s.group, seq, child)
 

@@ -144,3 +144,33 @@ def test_requests_added_between_steps_match(llama_checkpoint):
 def test_needs_one_rank():
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_failed_step_drops_the_step_scheduled_ahead(llama_checkpoint):
+    """Every step holding request "2" raises: it fails alone after its batch is retried one request at a time,
+    the step scheduled ahead of the failed one never runs, and the others finish as without async scheduling."""
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in mixed_prompts(5, seed=7)]
+
+    def with_poison(async_scheduling: bool):
+        engine = make_engine(llama_checkpoint.path, async_scheduling)
+        runner, bad = engine.runner, []
+        plan, run_plan = runner.plan, runner.run
+
+        def planned(out):
+            step = plan(out)
+            if any(s.group.request_id == "2" for s in out.scheduled):
+                bad.append(step)
+            return step
+
+        def ran(step):
+            if any(step is b for b in bad):
+                raise RuntimeError("injected fault")
+            return run_plan(step)
+        runner.plan, runner.run = planned, ran
+        deltas = run(engine, requests)
+        assert len(bad) > 1 and not engine.scheduler.suspects
+        return deltas
+
+    sync, overlapped = with_poison(False), with_poison(True)
+    assert overlapped == sync
+    assert sync["2"][-1][2] == "error" and all(deltas[-1][2] == "length" for i, deltas in sync.items() if i != "2")
