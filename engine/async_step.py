@@ -20,6 +20,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.model_runner import Logits, ModelRunner, StepPlan
 from engine.sequence import SequenceStatus
+from engine.step_inputs import TokenFill
 
 # The input id of a token not sampled yet: never read (the worker overwrites it before the forward pass).
 PLACEHOLDER = -1
@@ -67,9 +68,20 @@ class StepPipeline:
     def launch(self, out: SchedulerOutput, plan: StepPlan) -> None:
         self.in_flight = InFlight(out, self._worker.submit(self._runner.run, plan))
 
-    def launch_ahead(self, ahead: Ahead, tokens: torch.Tensor) -> None:
-        """Queue the step scheduled ahead; ``tokens``: the step before's, in its ``samples()`` order."""
-        self.in_flight = InFlight(ahead.out, self._worker.submit(self._run_ahead, ahead, tokens))
+    def launch_ahead(self, ahead: Ahead, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """Queue the step scheduled ahead; ``tokens``: the step before's, in its ``samples()`` order (None: it
+        sampled nothing). Returns them on the host: on CUDA their copy is queued before that step, so waiting
+        for it (here) never waits for the step."""
+        host, copied = tokens, None
+        if tokens is not None and tokens.is_cuda:
+            host = tokens.to("cpu", non_blocking=True)  # into pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+        fill = TokenFill(ahead.rows, ahead.sources, tokens) if ahead.rows.numel() else None  # read on the device
+        self.in_flight = InFlight(ahead.out, self._worker.submit(self._runner.run, ahead.plan, fill))
+        if copied is not None:
+            copied.synchronize()
+        return host
 
     def take(self) -> InFlight:
         step, self.in_flight = self.in_flight, None
@@ -99,10 +111,3 @@ class StepPipeline:
                 sources.append(i)
             row += s.num_new_tokens
         return Ahead(out, plan, torch.tensor(rows, dtype=torch.int64), torch.tensor(sources, dtype=torch.int64))
-
-    def _run_ahead(self, ahead: Ahead, tokens: torch.Tensor) -> Logits | None:
-        if ahead.rows.numel():
-            input_ids = ahead.plan.batch.input_ids
-            picked = tokens.index_select(0, ahead.sources.to(tokens.device))
-            input_ids.index_copy_(0, ahead.rows, picked.to("cpu", input_ids.dtype))
-        return self._runner.run(ahead.plan)

@@ -230,7 +230,7 @@ class LLMEngine:
                 self.scheduler.unschedule(ahead.out)
             return outputs
         if ahead is not None and not ahead.out.is_empty:
-            pipeline.launch_ahead(ahead, tokens)
+            tokens = pipeline.launch_ahead(ahead, tokens)
         sampled = self._output(samples, tokens, values)
         return outputs + self._process_samples(out, logits, sampled)
 

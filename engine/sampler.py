@@ -63,7 +63,8 @@ class Sampler:
 
     @staticmethod
     def output(logits: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
-        """``draw``'s tokens on the host, with the logprobs of ``logits`` (the raw ones ``draw`` got) asked for."""
+        """``draw``'s tokens (on any device) on the host, with the logprobs of ``logits`` (the raw ones ``draw``
+        got) asked for."""
         token_ids = tokens.tolist()
         if logits is None:
             return SamplerOutput(token_ids, [None] * len(params))
@@ -186,7 +187,7 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int],
     if not wanted:
         return result
     lp = raw[wanted].log_softmax(dim=-1)
-    chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, tokens[wanted].to(lp.device).unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs for i in wanted)
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # one device->host copy each, not one per row

@@ -7,7 +7,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_step import StepPipeline
 
-from .conftest import mixed_prompts
+from .conftest import backends, mixed_prompts
 
 STOP = 7  # a stop token: with random weights some choices draw it early
 
@@ -61,7 +61,7 @@ def ran_ahead(monkeypatch) -> list[int]:
 
     def counted(self, *args):
         count[0] += 1
-        launch_ahead(self, *args)
+        return launch_ahead(self, *args)
     monkeypatch.setattr(StepPipeline, "launch_ahead", counted)
     return count
 
@@ -72,9 +72,10 @@ def both(path: str, requests, abort: dict[int, list[str]] = {}, **overrides):
     return sync, overlapped
 
 
-def test_mixed_requests_match_synchronous(llama_checkpoint, ran_ahead):
+@pytest.mark.parametrize("backend", backends())
+def test_mixed_requests_match_synchronous(llama_checkpoint, backend, ran_ahead):
     requests = [(p, mixed_params(i)) for i, p in enumerate(mixed_prompts())]
-    sync, overlapped = both(llama_checkpoint.path, requests)
+    sync, overlapped = both(llama_checkpoint.path, requests, attention_backend=backend)
     assert overlapped == sync
     reasons = {deltas[-1][2] for deltas in sync.values()}
     assert reasons == {"stop", "length"}  # both kinds of ending were exercised
@@ -86,6 +87,18 @@ def test_chunked_prefill_and_small_batches_match(llama_checkpoint):
     requests = [(p, mixed_params(i)) for i, p in enumerate(mixed_prompts(12, seed=1))]
     sync, overlapped = both(llama_checkpoint.path, requests, max_num_batched_tokens=24, max_num_seqs=5)
     assert overlapped == sync
+
+
+def test_padded_decode_steps_match(llama_checkpoint, ran_ahead):
+    """Decode steps padded to a bucket (``DecodeGraphs``: captured graphs on CUDA, eager here) take the
+    sampled tokens in their padded input buffer."""
+    requests = [(p, mixed_params(i)) for i, p in enumerate(mixed_prompts(10, seed=8))]
+    deltas = []
+    for async_scheduling in (False, True):
+        engine = make_engine(llama_checkpoint.path, async_scheduling, attention_backend="ext")
+        engine.runner.enable_decode_graphs()
+        deltas.append(run(engine, requests))
+    assert deltas[1] == deltas[0] and ran_ahead[0] >= 10
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
