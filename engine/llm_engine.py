@@ -213,7 +213,10 @@ class LLMEngine:
             out = self._schedule(outputs)
             if out.is_empty:
                 return outputs
-            pipeline.launch(out, self.runner.plan(out))
+            try:
+                pipeline.launch(out, self.runner.plan(out))
+            except Exception as exc:
+                return outputs + self._recover(out, exc)
         current = pipeline.take()
         out, ahead = current.out, None
         if runs_ahead(out, bool(self._grammars)):
