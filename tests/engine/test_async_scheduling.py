@@ -8,6 +8,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_step import StepPipeline
 
 from .conftest import backends, mixed_prompts
+from .test_structured_output import path  # noqa: F401 (fixture: a checkpoint with a tokenizer, for grammars)
 
 STOP = 7  # a stop token: with random weights some choices draw it early
 
@@ -35,8 +36,8 @@ Delta = tuple[int, list[int], str | None, list | None]
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], abort: dict[int, list[str]] = {}
         ) -> dict[str, list[Delta]]:
-    """Each request's outputs, in order: (choice, new tokens, finish reason, their logprobs' token ids).
-    ``abort``: step -> request ids to abort before it."""
+    """Each request's outputs, in order: (choice, new tokens, finish reason, their logprobs' token ids), and its
+    prompt logprobs' token ids as choice -1. ``abort``: step -> request ids to abort before it."""
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params)
     deltas: dict[str, list[Delta]] = {str(i): [] for i in range(len(requests))}
@@ -44,6 +45,9 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], abo
     while engine.has_unfinished_requests():
         engine.abort_request(abort.get(step, []))
         for out in engine.step():
+            if out.prompt_logprobs is not None:
+                top = [[t for t, _ in entry] for entry in out.prompt_logprobs[1:]]
+                deltas[out.request_id].append((-1, [], None, top))
             for c in out.outputs:
                 top = None if c.logprobs is None else [[t for t, _ in entry] for entry in c.logprobs]
                 deltas[out.request_id].append((c.index, c.token_ids, c.finish_reason, top))
@@ -121,7 +125,7 @@ def test_aborts_mid_flight_return_every_block(llama_checkpoint):
     assert sync["0"][-1][2] == "abort" and sync["3"][-1][2] == "abort"
 
 
-def test_fallback_steps_match(llama_checkpoint):
+def test_fallback_steps_match(llama_checkpoint, ran_ahead):
     """n > 1 forks, prompt logprobs and beam search make their steps synchronous; plain requests beside them
     still run ahead."""
     prompts = mixed_prompts(6, seed=4)
@@ -131,6 +135,18 @@ def test_fallback_steps_match(llama_checkpoint):
                 *[(p, SamplingParams(temperature=0.0, max_tokens=15)) for p in prompts[3:]]]
     sync, overlapped = both(llama_checkpoint.path, requests)
     assert overlapped == sync
+    assert sync["1"][0][0] == -1 and len(sync["1"][0][3]) == len(prompts[1]) - 1  # the prompt logprobs came
+    assert ran_ahead[0] > 0
+
+
+def test_structured_output_beside_plain_requests_matches(path, ran_ahead):
+    """While a constrained request is live every step waits for its tokens on the host; the plain requests
+    beside it get the same tokens, and run ahead once it is done."""
+    regex = SamplingParams(temperature=0.0, max_tokens=30, structured_output={"regex": r"[a-c]{2,4}-\d{1,3}"})
+    plain = [(p, SamplingParams(temperature=0.0, max_tokens=25)) for p in mixed_prompts(4, seed=9)]
+    sync, overlapped = both(path, [([1, 2, 3], regex), *plain])
+    assert overlapped == sync
+    assert sync["0"][-1][2] == "stop" and ran_ahead[0] > 0  # the grammar completed, then the others ran ahead
 
 
 def test_requests_added_between_steps_match(llama_checkpoint):
