@@ -22,7 +22,7 @@ from engine.model_runner import Logits, ModelRunner, StepPlan
 from engine.sequence import SequenceStatus
 from engine.step_inputs import TokenFill
 
-# The input id of a token not sampled yet: never read (the worker overwrites it before the forward pass).
+# The input id of a token not sampled yet: never read (``TokenFill`` overwrites it before the forward pass).
 PLACEHOLDER = -1
 
 
