@@ -203,3 +203,16 @@ def test_failed_step_drops_the_step_scheduled_ahead(llama_checkpoint):
     sync, overlapped = with_poison(False), with_poison(True)
     assert overlapped == sync
     assert sync["2"][-1][2] == "error" and all(deltas[-1][2] == "length" for i, deltas in sync.items() if i != "2")
+
+
+def test_engine_reused_after_its_requests_finish(llama_checkpoint):
+    """The step scheduled ahead of the last one (every row finished) is still in flight when the requests are
+    done; the next batch on the same engine starts behind it with the same tokens."""
+    first = [(p, SamplingParams(temperature=0.0, max_tokens=6)) for p in mixed_prompts(3, seed=10)]
+    second = [(p, mixed_params(i)) for i, p in enumerate(mixed_prompts(5, seed=11))]
+
+    def twice(async_scheduling: bool):
+        engine = make_engine(llama_checkpoint.path, async_scheduling)
+        return run(engine, first), run(engine, second)
+
+    assert twice(True) == twice(False)
