@@ -57,6 +57,8 @@ class EngineConfig:
                                                             "tensor-core prefill tiles)")
     kv_allocator: KVAllocatorName = spec("paged", help="KV allocator (paged, or the paper's contiguous baselines)")
     enforce_eager: bool = spec(False, help="run every step eagerly: no CUDA graphs for decode-only steps")
+    async_scheduling: bool = spec(False, help="schedule and prepare the next step, and process this step's "
+                                              "outputs, while its forward pass runs (docs/engine.md)")
     seed: int = spec(0, help="engine sampling seed")
     num_threads: int | None = spec(help="torch CPU threads")
     tensor_parallel_size: int = spec(1, low=1, help="split the model across this many processes (one GPU each on "
@@ -67,3 +69,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1 (the ranks run the plans as rank 0 "
+                             "sends them, with every input id known)")

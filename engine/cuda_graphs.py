@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.step_inputs import StepBuffers, StepLayout, StepTensors
+from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
 
 _NO_TOKENS = torch.empty(0, dtype=torch.int64)
 
@@ -42,11 +42,14 @@ class DecodeGraphs:
     def accepts(self, num_seqs: int, max_query_len: int, width: int) -> bool:
         return max_query_len == 1 and width <= self.width and self.bucket(num_seqs) is not None
 
-    def forward(self, step: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states of the padded batch, the rows to sample); ``step`` holds the decode step on the host."""
+    def forward(self, step: StepTensors, fill: TokenFill | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of the padded batch, the rows to sample); ``step`` holds the decode step on the host,
+        ``fill`` the tokens its input ids still lack (async scheduling)."""
         size = self.bucket(len(step.meta.seq_lens))
         layout = StepLayout(size, size, self.width, len(step.sample_rows))
         padded = self.inputs.load(layout, step)
+        if fill is not None:
+            fill.apply(padded.input_ids)
         graph = self._graphs.get(size)
         if graph is None:
             return self.model(padded.input_ids, padded.positions, padded.meta), padded.sample_rows

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from engine import beam_search
+from engine.async_step import StepPipeline, runs_ahead
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
@@ -55,6 +56,7 @@ class LLMEngine:
         # Requests whose grammar compiles on the manager's pool, in arrival order; then their compiled grammar.
         self._pending: deque[tuple[SequenceGroup, ResumeState | None, Future]] = deque()
         self._grammars: dict[str, object] = {}
+        self._pipeline = StepPipeline(self.runner) if config.async_scheduling else None
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -182,16 +184,58 @@ class LLMEngine:
         if self._pending:
             outputs += self._admit_pending()
         outputs += self._resumed_end_outputs()
-        out = self.scheduler.schedule()
-        for group in out.failed:
-            outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR, group.error))
+        if self._pipeline is not None:
+            return outputs + self._step_async()
+        out = self._schedule(outputs)
         if out.is_empty:
             return outputs
         try:
             logits = self.runner.execute(out)
-            return outputs + self._process_samples(out, logits)
+            return outputs + self._process_samples(out, logits, self._sample(out.samples(), logits))
         except Exception as exc:  # a failing batch never fails the engine
             return outputs + self._recover(out, exc)
+
+    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
+        """The next step; the groups the scheduler failed go to ``outputs``."""
+        out = self.scheduler.schedule()
+        self._report_failed(out, outputs)
+        return out
+
+    def _report_failed(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        for group in out.failed:
+            outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR, group.error))
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step's outputs, the next step scheduled (when ``runs_ahead``) and launched before they are
+        processed (engine/async_step.py)."""
+        pipeline, outputs = self._pipeline, []
+        if pipeline.in_flight is None:
+            out = self._schedule(outputs)
+            if out.is_empty:
+                return outputs
+            try:
+                pipeline.launch(out, self.runner.plan(out))
+            except Exception as exc:
+                return outputs + self._recover(out, exc)
+        current = pipeline.take()
+        out, ahead = current.out, None
+        if runs_ahead(out, bool(self._grammars)):
+            ahead = pipeline.schedule_ahead(self.scheduler, out)
+            if ahead is not None:
+                self._report_failed(ahead.out, outputs)
+        try:
+            logits = current.logits.result()
+            samples = out.samples()
+            tokens, values = self._draw(samples, logits)
+        except Exception as exc:
+            outputs += self._recover(out, exc)
+            if ahead is not None:
+                self.scheduler.unschedule(ahead.out)
+            return outputs
+        if ahead is not None and not ahead.out.is_empty:
+            tokens = pipeline.launch_ahead(ahead, tokens)
+        sampled = self._output(samples, tokens, values)
+        return outputs + self._process_samples(out, logits, sampled)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
@@ -206,7 +250,8 @@ class LLMEngine:
         logger.exception("step failed; failing its request")
         return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
 
-    def _process_samples(self, out: SchedulerOutput, logits: Logits | None) -> list[RequestOutput]:
+    def _process_samples(self, out: SchedulerOutput, logits: Logits | None, sampled: SamplerOutput
+                         ) -> list[RequestOutput]:
         now = time.time()
         for s in out.scheduled:
             s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
@@ -214,7 +259,7 @@ class LLMEngine:
             self._record_prompt_logprobs(out, logits.prompt)  # first: the positions are read off the seqs' tokens
         samples, beams = out.samples(), out.beam_samples()
         beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
-        groups = self.scheduler.update_from_output(out, self._sample(samples, logits), beam_tokens)
+        groups = self.scheduler.update_from_output(out, sampled, beam_tokens)
         if self._grammars:
             self._advance_grammars(samples)
         return [self._step_output(g, now) for g in groups]
@@ -235,13 +280,26 @@ class LLMEngine:
             row += len(span)
 
     def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
+        return self._output(samples, *self._draw(samples, logits))
+
+    def _output(self, samples: list[tuple[int, ScheduledSeq, Sequence]], tokens: torch.Tensor | None,
+                values: torch.Tensor | None) -> SamplerOutput:
+        """``_draw``'s tokens (and logprobs) on the host."""
         if not samples:
             return SamplerOutput([], [])
+        return self.sampler.output(values, tokens, [s.group.params for _, s, _ in samples])
+
+    def _draw(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The samples' tokens, still on the device, and their rows' raw logits (None: argmax only)."""
+        if not samples:
+            return None, None
         if len(samples) != len(logits):  # forks draw several tokens from one row
             logits = logits.select([row for row, _, _ in samples])
         seqs = [seq for _, _, seq in samples]
         mask = self._constrain(samples) if self._grammars else None
-        return self.sampler(logits.values, seqs, [s.group.params for _, s, _ in samples], logits.argmax, mask)
+        params = [s.group.params for _, s, _ in samples]
+        return self.sampler.draw(logits.values, seqs, params, logits.argmax, mask), logits.values
 
     # ---- structured output ------------------------------------------------
     def _tokenizer_info(self):

@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KV_SCALE_DTYPE
 from engine.layers.attention import AttentionMetadata
 from engine.resolved_config import ResolvedConfig
-from engine.step_inputs import StepBuffers, StepLayout, StepTensors
+from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
 
 
 @dataclass(slots=True)
@@ -115,13 +115,13 @@ class ModelRunner:
                         _mapping(out.blocks_to_copy), batch)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> Logits | None:
+    def run(self, plan: StepPlan, fill: TokenFill | None = None) -> Logits | None:
         """The logits (None without sampled rows, and on tensor-parallel ranks other than 0)."""
         self._move_blocks(plan)
         b = plan.batch
         if b is None:
             return None
-        hidden, sample_rows = self._forward(b)
+        hidden, sample_rows = self._forward(b, fill)
         prompt = self._prompt_logprobs(hidden, b) if b.prompt_rows.numel() else None
         if b.sample_rows.numel() == 0:
             return None if prompt is None else Logits(None, None, prompt)
@@ -133,16 +133,18 @@ class ModelRunner:
             return Logits(None, self.ops.row_argmax(logits), prompt)
         return Logits(logits.float(), argmax, prompt)
 
-    def _forward(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, b: Batch, fill: TokenFill | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states (a decode step padded to its bucket: extra rows) and the rows to sample, on the
-        device; the inputs reach a CUDA device in one copy."""
+        device; the inputs reach a CUDA device in one copy, then take ``fill``'s tokens."""
         step, m = StepTensors(b.input_ids, b.positions, b.meta, b.sample_rows), b.meta
         width = m.block_tables.shape[1]
         if (self.graphs is not None and not b.prompt_rows.numel()
                 and self.graphs.accepts(len(m.seq_lens), m.max_query_len, width)):
-            return self.graphs.forward(step)
+            return self.graphs.forward(step, fill)
         if self.device.type != "cpu":
             step = self.inputs.load(StepLayout(len(b.input_ids), len(m.seq_lens), width, len(b.sample_rows)), step)
+        if fill is not None:
+            fill.apply(step.input_ids)
         return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:

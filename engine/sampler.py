@@ -43,8 +43,13 @@ class Sampler:
         """``argmax``: the logits' row-wise argmax when the LM head already computed it (fused into its GEMM).
         No ``logits``: every row is ``SamplingParams.argmax_only`` and the LM head gave the argmax alone.
         ``mask``: the structured-output rows' allowed tokens."""
+        return self.output(logits, self.draw(logits, seqs, params, argmax, mask), params)
+
+    def draw(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],
+             argmax: torch.Tensor | None = None, mask: TokenMask | None = None) -> torch.Tensor:
+        """The tokens (``__call__``'s arguments), on the logits' device: nothing waits for them yet."""
         if logits is None:
-            return SamplerOutput(argmax.tolist(), [None] * len(params))
+            return argmax
         raw = logits
         logits = _bias(logits, params)
         logits = self._penalize(logits, seqs, params)
@@ -53,11 +58,17 @@ class Sampler:
         if mask is not None:
             logits, greedy_tokens = self._constrain(logits, raw, greedy_tokens, params, mask)
         if all(p.greedy for p in params):  # the common case: one argmax, one host copy, no per-row Python
-            tokens = greedy_tokens
-        else:
-            tokens = self._sample(logits, seqs, params, greedy_tokens)
+            return greedy_tokens
+        return self._sample(logits, seqs, params, greedy_tokens)
+
+    @staticmethod
+    def output(logits: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+        """``draw``'s tokens (on any device) on the host, with the logprobs of ``logits`` (the raw ones ``draw``
+        got) asked for."""
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, _logprobs(raw, tokens, token_ids, params))
+        if logits is None:
+            return SamplerOutput(token_ids, [None] * len(params))
+        return SamplerOutput(token_ids, _logprobs(logits, tokens, token_ids, params))
 
     def _constrain(self, logits: torch.Tensor, raw: torch.Tensor, greedy_tokens: torch.Tensor,
                    params: list[SamplingParams], mask: TokenMask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +187,7 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int],
     if not wanted:
         return result
     lp = raw[wanted].log_softmax(dim=-1)
-    chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, tokens[wanted].to(lp.device).unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs for i in wanted)
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # one device->host copy each, not one per row

@@ -1,7 +1,8 @@
 """A step's input tensors packed back to back in one buffer, so the host builds them in place and they reach the
 device in one copy: on CUDA a pinned host buffer and its device twin, on CPU the host buffer alone. The same
 packing pads a decode step to a larger batch (``engine.cuda_graphs``): a pad sequence has one token, which stores
-nowhere (slot -1) and attends to one key."""
+nowhere (slot -1) and attends to one key. With async scheduling some input ids arrive on the device after the
+step was planned (``TokenFill``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,21 @@ class StepTensors:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor
+
+
+@dataclass(slots=True)
+class TokenFill:
+    """Input rows whose tokens were not sampled yet when their step was planned (async scheduling): row
+    ``rows[i]`` takes ``tokens[sources[i]]``, ``tokens`` being the step before's sampled tokens, on the device."""
+
+    rows: torch.Tensor
+    sources: torch.Tensor
+    tokens: torch.Tensor
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Into the step's ``input_ids`` where the forward pass reads them: no round trip through the host."""
+        picked = self.tokens.index_select(0, self.sources.to(self.tokens.device))
+        input_ids.index_copy_(0, self.rows.to(input_ids.device), picked.to(input_ids.device, input_ids.dtype))
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,10 @@ throughput as ``kv-int8_ratio_vs_pagedserve``, and its greedy agreement with the
 the workload's first 8 prompts, 32 tokens each). With ``--kv-cache-memory-bytes`` small enough that the
 unquantized pool must preempt, the quantized one's ~2x tokens show as throughput.
 
+``--async-scheduling`` adds ``pagedserve-async``: the same engine with ``EngineConfig.async_scheduling`` (the next
+step scheduled while the forward pass runs), its throughput as ``async_ratio_vs_pagedserve`` (it has no
+``step_ms``: its parts overlap, on two threads).
+
 ``--repeats N`` times each system N times, the systems alternating (pagedserve, static, continuous, pagedserve,
 ...) so load that comes and goes on a shared machine hits each alike; each result is the system's median run
 (by wall time) and its ``config["runs_s"]`` lists every run's (wall, CPU) seconds.
@@ -136,19 +140,21 @@ def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) ->
 
 def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1, device: str = "cpu",
                       **overrides) -> dict:
-    """The engine's settings; ``overrides``: dtype, quantization, KV cache dtype and size (left out when None)."""
+    """The engine's settings; ``overrides``: dtype, quantization, KV cache dtype and size, async_scheduling (left
+    out when None)."""
     return dict(attention_backend=backend, num_threads=threads, max_num_seqs=256, max_num_batched_tokens=2048,
                 enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size, device=device,
                 **{k: v for k, v in overrides.items() if v is not None})
 
 
 def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1,
-                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers]:
-    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers."""
+                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers | None]:
+    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers (none with async scheduling:
+    the timers assume one thread)."""
     llm = LLM(path, skip_tokenizer_init=True,
               **pagedserve_config(threads, backend, tensor_parallel_size, device, **overrides))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
-    timers = instrument(llm.engine)
+    timers = None if overrides.get("async_scheduling") else instrument(llm.engine)
     return timed(lambda: _run_pagedserve(llm, requests)), timers
 
 
@@ -215,14 +221,15 @@ class Measured:
 
 
 def measure_pagedserve(path: str, requests: list[Request], args, quantization: str | None = None,
-                       kv_cache_dtype: str | None = None) -> Measured:
+                       kv_cache_dtype: str | None = None, async_scheduling: bool = False) -> Measured:
     tp = args.tensor_parallel_size
     overrides = dict(dtype=args.dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                     kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, async_scheduling=async_scheduling or None)
     seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device, **overrides)
     return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
                              f"dtype={args.dtype or 'auto'}, quantization={quantization}, "
-                             f"kv_cache_dtype={kv_cache_dtype or 'auto'}",
+                             f"kv_cache_dtype={kv_cache_dtype or 'auto'}"
+                             + (", async scheduling" if async_scheduling else ""),
                     pagedserve_config(args.threads, args.backend, tp, args.device, **overrides), timers)
 
 
@@ -349,6 +356,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
             if args.kv_cache_dtype:
                 systems[f"pagedserve-kv-{args.kv_cache_dtype}"] = lambda: measure_pagedserve(
                     path, requests, args, kv_cache_dtype=args.kv_cache_dtype)
+            if args.async_scheduling:
+                systems["pagedserve-async"] = lambda: measure_pagedserve(path, requests, args, async_scheduling=True)
             if not args.skip_hf_static:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
             if not args.skip_hf_continuous:
@@ -439,6 +448,8 @@ def main() -> None:
                         help="also run pagedserve with its KV cache quantized (same run, same requests)")
     parser.add_argument("--kv-cache-memory-bytes", type=int,
                         help="pagedserve's KV cache size, every run (default: its share of free memory)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run pagedserve with async scheduling (pagedserve-async)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="pagedserve's dtype (default: the model's)")
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-call GPU check (aimed at under 8 minutes on one H200): build the ops, the CUDA kernel tests, the HF
 # exactness suite and the decode-graph tests on CUDA, profile_step with decode graphs and without
-# (--enforce-eager), bench_offline against transformers static / continuous batching, bench_kernels. Every
+# (--enforce-eager), bench_offline against transformers static / continuous batching (and pagedserve with
+# --async-scheduling), bench_kernels. Every
 # step runs under its own time limit; one failing step does not stop the others. Writes ONE JSON (rewritten
 # after each step, so a run cut short keeps what finished): each step's command, exit status, seconds, log
 # tail and the JSON it wrote.
@@ -67,9 +68,10 @@ step profile_graphs 60 "$logs/profile_graphs.json" python -m loadtest.profile_st
 step profile_eager 60 "$logs/profile_eager.json" python -m loadtest.profile_step --device "$device" \
   "${profile_args[@]}" --enforce-eager --json "$logs/profile_eager.json"
 # transformers' static and continuous batching in separate runs, each with pagedserve: one peer failing on the
-# GPU does not lose the other's comparison.
-step bench_offline_static 150 "$logs/bench_offline_static.json" python -m loadtest.bench_offline \
-  --device "$device" "${offline_args[@]}" --skip-hf-continuous --json "$logs/bench_offline_static.json"
+# GPU does not lose the other's comparison. The static run also times the engine with async scheduling.
+step bench_offline_static 180 "$logs/bench_offline_static.json" python -m loadtest.bench_offline \
+  --device "$device" "${offline_args[@]}" --skip-hf-continuous --async-scheduling \
+  --json "$logs/bench_offline_static.json"
 step bench_offline_continuous 120 "$logs/bench_offline_continuous.json" python -m loadtest.bench_offline \
   --device "$device" "${offline_args[@]}" --skip-hf-static --json "$logs/bench_offline_continuous.json"
 step bench_kernels 45 "$logs/bench_kernels.json" python -m loadtest.bench_kernels --device "$device" \

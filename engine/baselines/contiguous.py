@@ -162,7 +162,7 @@ class ContiguousKVCacheManager:
         self._sum_reserved -= run.reserved_len
         self._sum_computed -= run.num_computed
 
-    def mark_computed(self, seq_id: int, num_computed: int, token_ids: list[int]) -> None:
+    def mark_computed(self, seq_id: int, num_computed: int, token_ids: list[int], register: bool = True) -> None:
         run = self.tables[seq_id]
         if num_computed > run.num_slots:
             raise ValueError(f"sequence {seq_id}: {num_computed} computed > {run.num_slots} reserved slots")

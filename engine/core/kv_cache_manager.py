@@ -199,9 +199,9 @@ class KVCacheManager:
             pool.decref(block)
 
     # -- after the forward pass ---------------------------------------------
-    def mark_computed(self, seq_id: int, num_computed: int, token_ids: list[int]) -> None:
-        """K/V of the first ``num_computed`` tokens is written; newly full
-        blocks get their chain hash registered for prefix caching."""
+    def mark_computed(self, seq_id: int, num_computed: int, token_ids: list[int], register: bool = True) -> None:
+        """K/V of the first ``num_computed`` tokens is written; newly full blocks get their chain hash
+        registered for prefix caching (unless not ``register``: a later call registers them)."""
         table = self.tables[seq_id]
         if num_computed > table.num_slots:
             raise ValueError(f"sequence {seq_id}: {num_computed} computed > {table.num_slots} reserved slots")
@@ -215,7 +215,7 @@ class KVCacheManager:
                 block = table.blocks[j]
                 pool.set_fill(block, block.num_slots, min(bs, num_computed - j * bs))
         table.num_computed = num_computed
-        if self.enable_caching:
+        if self.enable_caching and register:
             self._register_full_blocks(table, token_ids)
         if self.sliding_window:
             self._release_behind_window(table)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 
 from engine import beam_search
 from engine.baselines import ContiguousKVCacheManager
@@ -185,14 +185,14 @@ class Scheduler:
         fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the sequences
         that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
         it is over), in schedule order."""
-        self._mark_computed(out)
+        self.mark_computed(out)
         groups: dict[SequenceGroup, None] = {}  # an ordered set
         for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
             if seq.status is RUNNING:  # not finished or aborted meanwhile
                 seq.append_token(token, logprobs)
                 self._check_stop(s.group, seq, token)
                 groups[s.group] = None
-        self.num_generated_tokens += len(sampled.token_ids)
+                self.num_generated_tokens += 1
         if out.beam_samples():
             self._record_beams(out.beam_samples(), beam_tokens, groups)
         return list(groups)
@@ -238,15 +238,17 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.status = SequenceStatus.FINISHED_ABORTED
 
-    def _mark_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote K/V for every scheduled token; then the forks share it."""
+    def mark_computed(self, out: SchedulerOutput, register: bool = True) -> None:
+        """The forward pass wrote K/V for every scheduled token; then the forks share it. Async scheduling
+        marks a step in flight early with ``register=False``: its blocks join the prefix cache only when it
+        is done (``update_from_output`` marks it again, which changes nothing else), since it may fail."""
         mark_computed = self.kv.mark_computed
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not RUNNING:
                 continue
             seq.num_computed_tokens = done = s.start + s.num_new_tokens
-            mark_computed(seq.seq_id, done, seq.token_ids)
+            mark_computed(seq.seq_id, done, seq.token_ids, register)
             for child in s.forks:
                 self._fork(s.group, seq, child)
 
@@ -367,6 +369,28 @@ class Scheduler:
         """Running with every known token's K/V but the sampled last one: its re-prefill is over."""
         return group.request_id in self.running and all(
             seq.num_computed_tokens >= seq.num_tokens - 1 for seq in group.seqs_with(RUNNING))
+
+    def can_schedule_ahead(self, pending: Set[int]) -> bool:
+        """Whether the next ``schedule`` certainly preempts nothing once the step in flight is done, the seqs
+        ``pending`` (ids) each one token longer: the running seqs' every uncomputed token fits in the free
+        blocks. Async scheduling schedules before that step's tokens are known, and a preemption then could
+        not be undone."""
+        if self.suspects:
+            return False
+        kv = self.kv
+        if kv.fits_without_counting(self.config.max_num_batched_tokens, self._num_running_seqs):
+            return True
+        left = [(seq.seq_id, len(seq.token_ids) - seq.num_computed_tokens + (seq.seq_id in pending))
+                for group in self.running.values() for seq in group.seqs if seq.status is RUNNING]
+        return kv.num_new_blocks(left) <= kv.num_free_blocks
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """``out`` was scheduled ahead and will never run (the step before it failed): its groups still running
+        are preempted by recompute, so none counts on the K/V it was to write or swap in."""
+        members = {s.group for s in out.scheduled}
+        scratch = SchedulerOutput()  # recompute moves no blocks
+        for group in [g for g in reversed(self.running.values()) if g in members]:  # latest first
+            self._preempt(group, scratch, recompute=True)
 
     # -- a failed step -------------------------------------------------------
     def recover_failed_step(self, out: SchedulerOutput) -> None:

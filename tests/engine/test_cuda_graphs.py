@@ -70,9 +70,9 @@ def _padded_llm(path: str, backend: str, **overrides) -> tuple[LLM, list[int]]:
     graphs, sizes = runner.graphs, []
     forward = graphs.forward
 
-    def counted(step):
+    def counted(step, fill=None):
         sizes.append(len(step.meta.seq_lens))
-        return forward(step)
+        return forward(step, fill)
     graphs.forward = counted
     return llm, sizes
 

@@ -52,4 +52,5 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert report["graphs_vs_eager"]["step_ms"] > 0
     static, continuous = (by_name[f"bench_offline_{peer}"]["result"]["summary"][0] for peer in ("static", "continuous"))
     assert static["ratio_vs_hf-static"] > 0 and continuous["ratio_vs_hf-continuous"] > 0
+    assert static["async_ratio_vs_pagedserve"] > 0
 
