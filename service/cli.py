@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: serve | gateway | worker | demo-model.
+"""The ``pagedserve`` command: serve | gateway | worker | chat | demo-model.
 
 Every flag has an environment twin, PAGEDSERVE_<FLAG> (dashes as underscores);
 the flag wins when both are given. Repeatable flags take a comma-separated list
@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 
+from service import chat
 from service.config import GatewayConfig, RedisConfig, WorkerConfig, require_auth, served_name
 from service.flags import (Section, add_config_flags, add_flag, changed_flags, config_from_args, public_values,
                            secret_env)
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="write the demo checkpoint to PATH", description="write the demo "
                           "checkpoint (random weights, byte-level tokenizer; it generates noise) to PATH")
     demo.add_argument("path", metavar="PATH")
+    chat_help = "chat with a running server in the terminal (streaming, history, /reset)"
+    chat_parser = sub.add_parser("chat", help=chat_help, description=f"{chat_help}: {chat.HELP}")
+    chat.add_arguments(chat_parser)
     return parser
 
 
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.demo_model import write_demo_model
         print(write_demo_model(args.path))
         return 0
+    if args.command == "chat":
+        return chat.run(chat.session_from_args(args))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "gateway":
