@@ -110,7 +110,10 @@ def run(session: ChatSession, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
         if interactive:
             stdout.write("> ")
             stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            line = ""  # Ctrl-C at the prompt quits, as Ctrl-D does
         if not line:
             return 0
         text = line.strip()
