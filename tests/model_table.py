@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from engine.models import FAMILIES, ModelFamily
+from engine.quantization import LOAD_SCHEMES
 from loadtest.bench_offline import MODELS
 from tests.engine.conftest import ARCH_CONFIGS
 from tests.engine.test_quantization import QUANTIZED_ARCHS
@@ -22,6 +23,7 @@ from tests.engine.test_tensor_parallel import TP_ARCHS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- model-table:begin -->", "<!-- model-table:end -->"
+SCHEMES = tuple(LOAD_SCHEMES)
 HEADER = ("| family | `architectures` | sliding window | MoE | tested token-exact vs transformers (fp32) "
           "| tensor parallel | quantized weights | benchmarked shapes |\n|---|---|---|---|---|---|---|---|")
 
@@ -40,12 +42,20 @@ def parameters(config: transformers.PretrainedConfig) -> str:
 def row(family: ModelFamily, tested: dict[str, list[str]], benchmarked: dict[str, list[str]]) -> str:
     names = [name for arch in family.classes for name in tested.get(arch, [])]
     shown = ", ".join(f"`{name}` ({parameters(ARCH_CONFIGS[name]())})" for name in names) or "no"
-    tp = "tp=2, tested" if set(names) & set(TP_ARCHS) else "yes" if family.tensor_parallel else "no"
-    quantized = "int8, w8a8, fp8: tested" if set(names) & set(QUANTIZED_ARCHS) else "int8, w8a8, fp8"
+    tp = "tp=2, tested" if set(names) & set(TP_ARCHS) else "yes, untested" if family.tensor_parallel else "no"
+    quantized = quantization(names)
     shapes = ", ".join(name for arch in family.classes for name in benchmarked.get(arch, [])) or "-"
     archs = ", ".join(f"`{arch}`" for arch in family.classes)
     return (f"| {family.name} | {archs} | {family.sliding_window or '-'} | {family.moe or '-'} | {shown} | {tp} "
             f"| {quantized} | {shapes} |")
+
+
+def quantization(names: list[str]) -> str:
+    """The schemes ``--quantization`` takes, split by whether a test runs them on one of ``names``."""
+    tested = {scheme for name in names for scheme in QUANTIZED_ARCHS.get(name, ())}
+    untested = [scheme for scheme in SCHEMES if scheme not in tested]
+    parts = [f"{', '.join(s for s in SCHEMES if s in tested)}: tested"] if tested else []
+    return "; ".join(parts + ([f"{', '.join(untested)}: same layers, untested"] if untested else []))
 
 
 def render() -> str:

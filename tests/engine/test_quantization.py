@@ -19,7 +19,9 @@ from .conftest import MAX_NEW_TOKENS, backends, build_checkpoint, hf_greedy, mix
 from .test_hf_equivalence import generate, make_llm
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QUANTIZED_ARCHS = ["llama"]  # ARCH_CONFIGS entries these tests quantize (the README's model table reads it)
+# ARCH_CONFIGS entries these tests quantize, with the schemes each is tested in (the README's model table reads it).
+FLAG_ARCHS = ["qwen2", "qwen3", "phi3", "gemma2", "opt"]
+QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8")} | {arch: ("int8",) for arch in FLAG_ARCHS}
 
 
 def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
@@ -71,7 +73,7 @@ def with_weights(model: transformers.PreTrainedModel, weights: dict) -> transfor
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return build_checkpoint(QUANTIZED_ARCHS[0], tmp_path_factory.mktemp("llama-quant"))
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama-quant"))
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,18 @@ def test_quantization_flag_w8a8(llama, backend):
     agreement, kl = agreement_and_kl(llama.hf_model, reference, continued, [len(p) - 1 for p in prompts])
     print(f"w8a8 vs fp32 (teacher-forced): greedy agreement {agreement:.3f}, mean KL {kl:.5f}")
     assert agreement >= 0.8 and kl < 0.15
+
+
+@pytest.mark.parametrize("arch", FLAG_ARCHS)
+def test_quantization_flag_int8_per_family(arch, tmp_path):
+    """--quantization int8 on each family's layers (biases, q/k norms, fused qkv and gate_up, Gemma's soft-capped
+    head, OPT's layout): greedy equal to transformers on the same per-channel int8 weights."""
+    checkpoint = build_checkpoint(arch, tmp_path)
+    llm = make_llm(checkpoint.path, "ext", quantization="int8", enable_prefix_caching=False)
+    assert all(m.weight_scale is not None for m in llm.engine.runner.model.modules() if isinstance(m, Linear))
+    reference = dequantized_copy(checkpoint.hf_model, "int8")
+    prompts = mixed_prompts()[:6]
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
 
 
 def test_quantization_flag_fp8(llama):

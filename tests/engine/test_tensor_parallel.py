@@ -40,7 +40,7 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 
 
 # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
-TP_ARCHS = ["llama", "qwen2", "opt", "phi3", "gemma2"]
+TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
