@@ -30,13 +30,18 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """``priority``: one per prompt, lower first (as vLLM's)."""
         token_lists, texts = self._prompts(prompts, prompt_token_ids)
         params = _broadcast(sampling_params, len(token_lists))
+        priorities = priority if priority is not None else [0] * len(token_lists)
+        if len(priorities) != len(token_lists):
+            raise ValueError(f"{len(priorities)} priorities for {len(token_lists)} prompts")
         ids = [str(next(self._request_ids)) for _ in token_lists]
         try:
-            for request_id, tokens, p in zip(ids, token_lists, params):
-                self.engine.add_request(request_id, tokens, p)
+            for request_id, tokens, p, rank in zip(ids, token_lists, params, priorities):
+                self.engine.add_request(request_id, tokens, p, priority=rank)
         except ValueError:
             self.engine.abort_request(ids)  # all or nothing: drop the prompts already queued
             raise

@@ -61,10 +61,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    resume: ResumeState | None = None) -> None:
+                    resume: ResumeState | None = None, priority: int = 0) -> None:
         """Queue a request. ``resume``: the request ran elsewhere and its engine died; it continues
         from the tokens already delivered (recomputed as context) exactly as an undisturbed run would,
         and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over.
+        ``priority``: lower is scheduled first and preempted last (vLLM's convention); equal ones go by arrival.
         ``params.prompt_logprobs`` come with the first output; a resumed request that had delivered tokens
         already had them, so they are not computed again (one that had delivered none gets them)."""
         self._validate(request_id, prompt_token_ids, params)
@@ -72,7 +73,7 @@ class LLMEngine:
             self._validate_resume(prompt_token_ids, params, resume)
         group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
                               time.time() if arrival_time is None else arrival_time,
-                              cache_salt=cache_salt.encode() if cache_salt else None)
+                              cache_salt=cache_salt.encode() if cache_salt else None, priority=priority)
         self.scheduler.check_new(group)
         self._groups[request_id] = group
         if params.structured_output is not None:  # scheduled once its grammar is compiled (_admit_pending)

@@ -100,6 +100,8 @@ class SequenceGroup:
     params: SamplingParams
     arrival_time: float
     cache_salt: bytes | None = None  # extra prefix-hash key (tenant isolation)
+    priority: int = 0  # lower runs first (vLLM's convention); equal priorities are served in arrival order
+    rank: tuple[int, int] = (0, 0)  # (priority, arrival index): the scheduler's order, set by it on arrival
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)

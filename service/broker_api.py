@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from service.messages import (EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError,
                               StreamRecord, decode)
 from service.transcript import Transcript
+
+if TYPE_CHECKING:
+    from service.limits import Limiter
 
 
 class BrokerUnavailable(Exception):
@@ -100,6 +103,7 @@ class GatewayBroker(Protocol):
     def detach(self, request_id: str) -> None: ...
     async def resume(self, request_id: str) -> Resumed | None: ...
     def release(self, request_id: str) -> None: ...
+    def limiter(self, lease_s: float) -> Limiter: ...
 
 
 class WorkerBroker(Protocol):

@@ -13,6 +13,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.field_specs import check_fields, spec
 
+from service.limits import KeyPolicy, parse_key_policies, parse_policy
+
 DEMO_MODEL_NAME = "pagedserve-demo"
 
 
@@ -128,6 +130,16 @@ class GatewayConfig:
     # Generous: long runs of spaces or symbols are single tokens in many vocabularies.
     max_chars_per_token: int = spec(64, low=1, help="prompts longer than the context length times this many "
                                                     "characters are rejected before tokenizing")
+    key_policies: tuple[str, ...] = spec(
+        (), flag="--key-policy", secret=True,
+        help="one API key's priority and limits, repeatable: KEY:priority=N,max_concurrent=N,tokens_per_min=N "
+             "(any subset; priority is added to each request's own, lower runs first; the limits hold across "
+             "every gateway, through Redis; 429 with Retry-After beyond them)")
+    default_key_policy: str = spec("", help="the policy of every key without its own --key-policy (and of "
+                                            "requests without a key), e.g. max_concurrent=32,tokens_per_min=200000")
+    limit_lease_s: float = spec(600.0, low=0, low_open=True, flag="--limit-lease",
+                                help="seconds a request's concurrency slot outlives a gateway that died "
+                                     "holding it")
     prefix_cache_secret: str | None = spec(
         None, secret=True, help="secret keying each API key's prefix-cache salt (default: random per gateway "
                                 "process; give every gateway replica the same one so a key's requests share "
@@ -138,6 +150,11 @@ class GatewayConfig:
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
         require_auth(self.host, self.api_keys, self.insecure_no_auth)
+        self.policies()  # a malformed policy fails at start
+
+    def policies(self) -> tuple[dict[str, KeyPolicy], KeyPolicy]:
+        """(policy by API key, the default one)."""
+        return parse_key_policies(self.key_policies), parse_policy(self.default_key_policy)
 
 
 @dataclass(frozen=True, slots=True)

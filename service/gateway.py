@@ -25,6 +25,7 @@ from engine.structured_output import check_structured_output
 from service import responses
 from service.assembler import ChoiceUpdate, OutputAssembler
 from service.broker_api import BrokerUnavailable, GatewayBroker, Resumed
+from service.limits import KeyLimits
 from service.config import GatewayConfig
 from service.messages import EventKind, ReplyEvent, RequestMsg, StreamRecord, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
@@ -64,6 +65,9 @@ class Gateway:
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.created = int(time.time())
         self._salt_secret = (config.prefix_cache_secret or secrets.token_hex(32)).encode()
+        policies, default = config.policies()
+        self.limits = KeyLimits(policies, default, config.retry_after_s,
+                                lambda: broker.limiter(config.limit_lease_s))
         # Tokenizing a long prompt takes milliseconds, detokenizing a busy server's streams as much: neither
         # runs on the event loop, which must keep answering.
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -243,14 +247,18 @@ class Gateway:
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        api_key, tenant = http.get(_API_KEY, ""), self.tenant_of(http)
         now = time.time()
         msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, now,
-                         self.model_name, self._cache_salt(http, req.cache_salt))
-        record = StreamRecord(request_id, self.gateway_id, body, prompt_ids, int(now), int(now * 1000),
-                              self._tenant(http))
+                         self.model_name, self._cache_salt(http, req.cache_salt),
+                         req.priority + self.limits.policy(api_key).priority)
+        record = StreamRecord(request_id, self.gateway_id, body, prompt_ids, int(now), int(now * 1000), tenant)
         try:
+            await self.limits.acquire(api_key, tenant, request_id,
+                                      len(prompt_ids) + req.params.max_tokens * req.params.n)
             queue = await self.broker.submit(msg, record)
         except BrokerUnavailable as exc:
+            self.limits.release(api_key, tenant, request_id)
             raise unavailable(str(exc), self.config.retry_after_s) from exc
         return _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created)
 
@@ -294,7 +302,8 @@ class Gateway:
             resumed = await self.broker.resume(request_id)
         except BrokerUnavailable as exc:
             raise unavailable(str(exc), self.config.retry_after_s) from exc
-        if resumed is not None and not hmac.compare_digest(resumed.record.tenant.encode(), self._tenant(http).encode()):
+        if resumed is not None and not hmac.compare_digest(resumed.record.tenant.encode(),
+                                                           self.tenant_of(http).encode()):
             self.broker.release(request_id)
             resumed = None  # another key's stream: as unknown as one that never existed
         if resumed is None:
@@ -317,7 +326,7 @@ class Gateway:
                     self._assembler(req, record.prompt_token_ids), resumed.queue, start, record.created,
                     skip_through=seen)
 
-    def _tenant(self, http: web.Request) -> str:
+    def tenant_of(self, http: web.Request) -> str:
         """Whose stream it is: an HMAC of the API key, the same on every gateway (never the key itself)."""
         return hmac.new(_TENANT_KEY, http.get(_API_KEY, "").encode(), hashlib.sha256).hexdigest()
 
@@ -431,7 +440,8 @@ class _Run:
 
     def close(self) -> None:
         """Every end publishes the abort, unless the engine already ended the request; a stream whose
-        client hung up is left running a while for the client to resume it."""
+        client hung up is left running a while for the client to resume it (its key's slot is freed now)."""
+        self.gw.limits.release(self.http.get(_API_KEY, ""), self.gw.tenant_of(self.http), self.request_id)
         if self.engine_done:
             self.gw.broker.release(self.request_id)
         elif self.client_gone and self.req.stream:

@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 
 from service.broker_api import Pulled, Reply, RequestHandle, Resumed, read_request, rows_by_gateway
 from service.config import GatewayConfig
+from service.limits import MemoryLimiter
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, StreamRecord,
                               encode, pack_batch)
 from service.reply_router import ReplyRouter
@@ -35,6 +36,7 @@ class MemoryBus:
         self.progress: dict[str, bytes] = {}  # request id -> Progress
         self.deadletter: list[tuple[str, str]] = []  # (request id, reason)
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.limiter: MemoryLimiter | None = None  # the gateways' shared per-key limits, made by the first
         self._entry_ids = itertools.count(1)
 
     def enqueue(self, model: str, payload: bytes) -> None:
@@ -65,6 +67,11 @@ class MemoryGatewayBroker(ReplyRouter):
         self.bus = bus
         self.gateway_id = uuid.uuid4().hex[:12]
         self._watcher: asyncio.Task | None = None
+
+    def limiter(self, lease_s: float) -> MemoryLimiter:
+        if self.bus.limiter is None:
+            self.bus.limiter = MemoryLimiter(lease_s)
+        return self.bus.limiter
 
     async def start(self) -> None:
         self.bus.gateways[self.gateway_id] = self

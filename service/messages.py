@@ -18,8 +18,9 @@ from engine.stats import EngineStats
 # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
 # beam search (use_beam_search, best_of, length_penalty, early_stopping); 5: replies travel in one
 # ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
-# carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs
-SCHEMA_VERSION = 6
+# carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
+# 7: a RequestMsg carries its priority
+SCHEMA_VERSION = 7
 
 T = TypeVar("T")
 
@@ -39,6 +40,7 @@ class RequestMsg:
     arrival_time: float
     model: str  # the served model it is for: only an engine serving that model may take it
     cache_salt: str | None = None
+    priority: int = 0  # lower is scheduled first (vLLM's convention)
 
 
 @dataclass(slots=True)

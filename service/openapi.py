@@ -12,7 +12,7 @@ from engine.field_specs import value_bounds, value_type
 from engine.sampling_params import SamplingParams
 
 from service.config import GatewayConfig
-from service.protocol import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, ROLES
+from service.protocol import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
@@ -62,6 +62,8 @@ _SAMPLING = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "include_stop_str_in_output": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
     "user": {"type": "string"}, "cache_salt": {"type": "string", "maxLength": MAX_CACHE_SALT_CHARS},
+    "priority": {"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY,
+                 "description": "lower is scheduled first and preempted last (vLLM's); the API key's is added"},
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
@@ -111,7 +113,8 @@ _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properti
     "code": {"type": ["string", "null"]}}}}}
 _ERROR_STATUSES = {"400": "invalid parameters or prompt too long", "401": "bad or missing API key",
                    "404": "unknown model, or (with Last-Event-ID) stream_not_found", "413": "body too large",
-                   "429": "queue full (see Retry-After)",
+                   "429": "queue full, or the API key's concurrency or token-rate limit reached (see "
+                          "Retry-After)",
                    "503": "Redis or every engine unavailable, or no engine took the request in time (see "
                           "Retry-After)"}
 # A stream's SSE events carry ``id: <request id>:<k>``; sending the last one seen resumes the stream.

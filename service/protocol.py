@@ -36,7 +36,7 @@ SO_SOURCES = ("response_format", "guided_json", "guided_regex", "guided_choice",
               "structured_outputs")
 _COMMON = (set(_PARAMS) - {"structured_output"}) | {
     "model", "stream", "stream_options", "stop", "include_stop_str_in_output", "skip_special_tokens", "user",
-    "cache_salt", "logit_bias", "prompt_logprobs", *SO_SOURCES}
+    "cache_salt", "logit_bias", "prompt_logprobs", "priority", *SO_SOURCES}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
                    "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
@@ -46,6 +46,7 @@ _TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_templa
                   "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 MAX_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 2**31 - 1  # vLLM's priority is an int; a bound keeps it one on every wire
 MAX_JSON_DEPTH = 32  # a chat body needs 4 (body, messages, message, content parts)
 
 
@@ -74,6 +75,7 @@ class GenerationRequest:
     include_usage: bool = False
     want_logprobs: bool = False
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower is scheduled first; the API key's priority is added by the gateway
 
 
 @dataclass(slots=True)
@@ -220,7 +222,15 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
         want_logprobs=logprobs is not None, cache_salt=_parse_cache_salt(body), tools=tools,
+        priority=_parse_priority(body),
         prompt_logprobs=prompt_logprobs, structured_output_param=so_param)
+
+
+def _parse_priority(body: dict[str, Any]) -> int:
+    priority = _get(body, "priority", int, 0)
+    if abs(priority) > MAX_PRIORITY:
+        raise APIError(400, f"priority must be within [-{MAX_PRIORITY}, {MAX_PRIORITY}]", param="priority")
+    return priority
 
 
 def _parse_cache_salt(body: dict[str, Any]) -> str | None:

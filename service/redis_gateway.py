@@ -23,6 +23,7 @@ from redis.asyncio.client import Pipeline
 from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect
 from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
+from service.limits import RedisLimiter
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
 from service.redis_keys import RESUMES, Keys, split_consumer
 from service.reply_router import ReplyRouter
@@ -61,6 +62,10 @@ class RedisGatewayBroker(ReplyRouter):
         self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def limiter(self, lease_s: float) -> RedisLimiter:
+        """Per-key limits in this deployment's Redis (once started)."""
+        return RedisLimiter(self._client, self._keys.prefix, lease_s)
 
     async def start(self) -> None:
         # Submissions may be retried: the StreamRecord is SET NX and a worker runs a request id once

@@ -16,6 +16,7 @@
   {p}:deadletter        stream of requests given up on after repeated delivery, with the reason
   {p}:engines           set of engine ids; {p}:engine:{id} holds the Heartbeat, expiring without beats
   {p}:gateways          set of gateway ids; {p}:gateway:{id} holds the GatewayBeat, expiring likewise
+  {p}:limit:{{t}}:*     one tenant's concurrency slots and token bucket (service/limits.py builds the names)
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class Engine(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, resume: ResumeState | None = None) -> None: ...
+                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0) -> None: ...
 
     def abort_request(self, request_ids: list[str]) -> None: ...
 
@@ -392,7 +392,7 @@ class Worker:
         try:  # a map of another release, or values the gateway let through: a 400 for this request alone
             params = SamplingParams(**msg.params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt,
-                                    resume=_resume_state(run, params))
+                                    resume=_resume_state(run, params), priority=msg.priority)
         except (ValueError, TypeError) as exc:
             return self._counted(run, EventKind.ERROR, finished=True, error=str(exc), status=400)
         except Exception as exc:  # a bad request must not take the worker down

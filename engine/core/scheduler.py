@@ -1,19 +1,22 @@
-"""Iteration-level FCFS scheduler over the KV cache (docs/architecture.md §4).
+"""Iteration-level scheduler over the KV cache, by priority then arrival (docs/architecture.md §4).
 
 The KV allocator is the paged one or, for the paper's baselines, a contiguous
 one (``SchedulerConfig.kv_allocator``): the same policy runs on both; a
 contiguous allocator reserves everything at admission, so its running groups
 never need blocks and are never preempted.
 
-Each step: running groups first (decodes and continued prefill chunks, in
-arrival order), then swapped groups back in (oldest first), then new
-admissions from the waiting queue, all under ``max_num_batched_tokens`` and
+Every queue is kept in *rank* order: priority (lower first; 0 by default, so
+all equal: plain FCFS), then arrival. Each step: running groups first (decodes
+and continued prefill chunks, in rank order), then swapped groups back in, then
+new admissions from the waiting queue (before the swapped ones only when the
+waiting head has the higher priority), all under ``max_num_batched_tokens`` and
 ``max_num_seqs``. When a running group needs blocks that are not free, the
-latest-arrived running group is preempted whole: swapped to the CPU pool in
-``swap`` mode (when it fits), otherwise recomputed. A step that preempts
-neither swaps in nor admits, so no device block is swapped out and in (or
-freed and refilled by a new prompt) in the same step and memory pressure is
-not immediately re-created.
+last-ranked running group (lowest priority, latest arrival) is preempted
+whole: swapped to the CPU pool in ``swap`` mode (when it fits), otherwise
+recomputed. A step whose running groups preempted neither swaps in nor admits,
+so memory pressure is not immediately re-created. A waiting group that does not
+fit preempts running groups of strictly lower priority first, last-ranked
+first, and is admitted in the same step.
 
 Recompute of a group with several (diverged) sequences: every sequence goes
 back to WAITING and re-prefills its own full token list; the group is
@@ -32,6 +35,8 @@ one poisonous request fails alone, never its batch-mates.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable, Set
@@ -80,8 +85,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = make_kv_allocator(config)
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: dict[str, SequenceGroup] = {}  # arrival order; the last is the next victim
-        self.swapped: deque[SequenceGroup] = deque()  # oldest first
+        self.running: dict[str, SequenceGroup] = {}  # rank order; the last is the next victim
+        self.swapped: deque[SequenceGroup] = deque()  # rank order
+        self._arrivals = itertools.count()
         self.suspects: deque[SequenceGroup] = deque()  # of a failed batch, to run alone, oldest first
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished group
         self._num_running_seqs = 0
@@ -107,8 +113,9 @@ class Scheduler:
                 self._check_stop(group, seq, seq.token_ids[-1])
         self.num_prompt_tokens += group.seqs[0].num_prompt_tokens
         if not group.is_finished:
+            group.rank = (group.priority, next(self._arrivals))
             self._groups[group.request_id] = group
-            self.waiting.append(group)
+            _insert(self.waiting, group)
 
     def check_new(self, group: SequenceGroup) -> None:
         """ValueError when ``add_group`` would refuse ``group`` (the engine asks before a grammar compiles)."""
@@ -171,12 +178,33 @@ class Scheduler:
         if self.suspects:
             self._schedule_suspect(out)
             return out
+        self._preempt_for_priority(out)
+        by_priority = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == by_priority:
             budget = self._schedule_swapped(out, budget)
-            if not self.swapped:
+            if not self.swapped or self._waiting_outranks_swapped():
                 self._schedule_waiting(out, budget)
         return out
+
+    def _waiting_outranks_swapped(self) -> bool:
+        return bool(self.waiting) and bool(self.swapped) and self.waiting[0].priority < self.swapped[0].priority
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Preempt running groups of strictly lower priority than the waiting head, last-ranked first, until
+        the head could be admitted (with this step's whole budget; the running groups' own needs come first,
+        so a later step may preempt again)."""
+        if not self._priority_preemption_possible():
+            return
+        head = self.waiting[0]
+        if (self.swapped and self.swapped[0].priority <= head.priority) or self._admission_error(head) is not None:
+            return  # a swapped group goes first (and is never swapped in where a victim was swapped out)
+        seqs = head.seqs_with(WAITING)
+        while self.running and next(reversed(self.running.values())).priority > head.priority:
+            admissions, plan, _ = self._admission_plan(head, seqs, self.config.max_num_batched_tokens)
+            if self._has_seats(head) and self._admissible(seqs, admissions, plan):
+                return
+            self._preempt(next(reversed(self.running.values())), out)
 
     def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput,
                            beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
@@ -291,7 +319,7 @@ class Scheduler:
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0:
+        while self.swapped and budget > 0 and not self._waiting_outranks_swapped():
             group = self.swapped[0]
             seqs = group.seqs_with(SWAPPED)
             plan, num_tokens = self._plan(group, seqs, budget)
@@ -332,7 +360,7 @@ class Scheduler:
             budget = left
 
     def _schedule_suspect(self, out: SchedulerOutput) -> None:
-        """The oldest suspect's step, alone: the other running groups (latest first) make room if needed."""
+        """The oldest suspect's step, alone: the other running groups (last-ranked first) make room if needed."""
         group, budget = self.suspects[0], self.config.max_num_batched_tokens
         if group.request_id in self.running:  # its re-prefill goes on in chunks
             plan, _ = self._plan(group, group.seqs_with(RUNNING), budget)
@@ -359,7 +387,7 @@ class Scheduler:
         self._commit(group, plan, out)
 
     def _preempt_other(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
-        """Preempt the latest-arrived running group other than ``group``; False if there is none."""
+        """Preempt the last-ranked running group other than ``group``; False if there is none."""
         victim = next((g for g in reversed(self.running.values()) if g is not group), None)
         if victim is not None:
             self._preempt(victim, out)
@@ -375,7 +403,7 @@ class Scheduler:
         ``pending`` (ids) each one token longer: the running seqs' every uncomputed token fits in the free
         blocks. Async scheduling schedules before that step's tokens are known, and a preemption then could
         not be undone."""
-        if self.suspects:
+        if self.suspects or self._priority_preemption_possible():
             return False
         kv = self.kv
         if kv.fits_without_counting(self.config.max_num_batched_tokens, self._num_running_seqs):
@@ -384,19 +412,23 @@ class Scheduler:
                 for group in self.running.values() for seq in group.seqs if seq.status is RUNNING]
         return kv.num_new_blocks(left) <= kv.num_free_blocks
 
+    def _priority_preemption_possible(self) -> bool:
+        return bool(self.waiting) and bool(self.running) and (
+            next(reversed(self.running.values())).priority > self.waiting[0].priority)
+
     def unschedule(self, out: SchedulerOutput) -> None:
         """``out`` was scheduled ahead and will never run (the step before it failed): its groups still running
         are preempted by recompute, so none counts on the K/V it was to write or swap in."""
         members = {s.group for s in out.scheduled}
         scratch = SchedulerOutput()  # recompute moves no blocks
-        for group in [g for g in reversed(self.running.values()) if g in members]:  # latest first
+        for group in [g for g in reversed(self.running.values()) if g in members]:  # last-ranked first
             self._preempt(group, scratch, recompute=True)
 
     # -- a failed step -------------------------------------------------------
     def recover_failed_step(self, out: SchedulerOutput) -> None:
         """The runner raised on ``out``, so its block moves may not have happened: the groups it
         swapped out are recomputed instead (their CPU copy may be garbage)."""
-        for group in out.preempted:  # latest first: appendleft keeps arrival order
+        for group in out.preempted:
             seqs = group.seqs_with(SWAPPED)
             if not seqs:
                 continue
@@ -404,16 +436,16 @@ class Scheduler:
                 self.kv.free(seq.seq_id)
                 seq.reset_for_recompute()
             self.swapped.remove(group)
-            self.waiting.appendleft(group)
+            _insert(self.waiting, group)
 
     def isolate(self, groups: list[SequenceGroup]) -> None:
         """A batch of these groups failed and any of them may be the cause: each is preempted by
         recompute and becomes a suspect, run alone before normal batching resumes; one whose solo
         step fails too is the caller's to fail."""
         members = set(groups)
-        ordered = [g for g in self.running.values() if g in members]  # arrival order
+        ordered = [g for g in self.running.values() if g in members]  # rank order
         out = SchedulerOutput()  # recompute moves no blocks: nothing for the runner
-        for group in reversed(ordered):  # latest first, as _preempt's appendleft expects
+        for group in reversed(ordered):  # last-ranked first, as victims go
             self._preempt(group, out, recompute=True)
         self.suspects.extend(ordered)
 
@@ -465,7 +497,7 @@ class Scheduler:
         return plan, total
 
     def _make_room(self, group: SequenceGroup, need: int, out: SchedulerOutput) -> bool:
-        """Preempt latest-arrived groups until ``need`` blocks are free; False if ``group`` itself went."""
+        """Preempt last-ranked groups until ``need`` blocks are free; False if ``group`` itself went."""
         while need > self.kv.num_free_blocks:
             victim = next(reversed(self.running.values()))
             self._preempt(victim, out)
@@ -501,14 +533,14 @@ class Scheduler:
             self.num_swapped_out_blocks += len(mapping)
             for seq in seqs:
                 seq.status = SWAPPED
-            self.swapped.appendleft(group)  # victims go latest first, so this keeps arrival order
+            _insert(self.swapped, group)
         else:
             for seq in seqs:
                 self.kv.free(seq.seq_id)
                 seq.reset_for_recompute()
             if group.beam is not None:
                 group.beam.pending.clear()  # the rows come again with the recomputed K/V
-            self.waiting.appendleft(group)  # it arrived before everything waiting
+            _insert(self.waiting, group)  # ahead of every later arrival of its priority
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group)
@@ -525,7 +557,10 @@ class Scheduler:
     def _set_running(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
         for seq in seqs:
             seq.status = RUNNING
+        last = next(reversed(self.running.values()), None)
         self.running[group.request_id] = group
+        if last is not None and group.rank < last.rank:  # it outranks a running group: keep rank order
+            self.running = dict(sorted(self.running.items(), key=lambda item: item[1].rank))
         self._num_running_seqs += len(seqs)
         self._num_pending_forks += _pending_forks(group)
 
@@ -585,3 +620,8 @@ class Scheduler:
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
             num_window_released_blocks_total=kv.num_window_released_blocks)
+
+
+def _insert(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    """Into ``queue`` at its rank (after any equal rank; ranks are unique)."""
+    queue.insert(bisect.bisect_right(queue, group.rank, key=lambda g: g.rank), group)

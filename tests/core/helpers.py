@@ -20,9 +20,9 @@ def make_seq(token_ids: list[int], num_prompt_tokens: int | None = None) -> Sequ
 
 
 def make_group(request_id: str, prompt: list[int], arrival: float = 0.0, n: int = 1,
-               salt: bytes | None = None, max_tokens: int | None = 16) -> SequenceGroup:
+               salt: bytes | None = None, max_tokens: int | None = 16, priority: int = 0) -> SequenceGroup:
     params = SamplingParams(n=n, max_tokens=max_tokens)
-    return SequenceGroup(request_id, [make_seq(prompt)], params, arrival, cache_salt=salt)
+    return SequenceGroup(request_id, [make_seq(prompt)], params, arrival, cache_salt=salt, priority=priority)
 
 
 def make_scheduler(**overrides) -> Scheduler:

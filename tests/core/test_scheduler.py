@@ -269,3 +269,57 @@ def test_recomputed_forked_group_reprefills_each_sequence(caching, start):
         (a.seqs[0], start, 9 - start), (child, start, 9 - start)]
     _check_contents(sched, memory)
     check_kv_invariants(sched.kv)
+
+
+def _decoding(sched, priorities: list[int], prompt_len: int, memory: KVMemory | None = None) -> list:
+    groups = [make_group(f"r{i}", [i * 10 + t for t in range(prompt_len)], arrival=i, priority=p)
+              for i, p in enumerate(priorities)]
+    for g in groups:
+        sched.add_group(g)
+    run_step(sched, memory)
+    return groups
+
+
+def test_waiting_groups_are_admitted_by_priority_then_arrival():
+    sched = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)  # one 8-token prompt a step
+    for i, priority in enumerate([1, 0, 0, -1]):
+        sched.add_group(make_group(f"r{i}", [i] * 8, arrival=i, priority=priority, max_tokens=1))
+    admitted = [_shape(run_step(sched))[-1][0] for _ in range(4)]
+    assert admitted == ["r3", "r1", "r2", "r0"]
+
+
+def test_pressure_preempts_the_lowest_priority_before_later_arrivals():
+    # As in the FCFS test above, the first decode needs 3 new blocks and 2 are free: the victim is r0, the
+    # earliest arrival, because its priority is the lowest.
+    sched = make_scheduler(num_device_blocks=5, enable_prefix_caching=False)
+    groups = _decoding(sched, [1, 0, 0], 8)
+    out = run_step(sched)
+    assert out.preempted == [groups[0]] and [s[0] for s in _shape(out)] == ["r1", "r2"]
+    assert list(sched.running) == ["r1", "r2"] and sched.waiting[0] is groups[0]
+
+
+def test_a_higher_priority_arrival_preempts_lower_priority_groups_and_runs_at_once():
+    sched = make_scheduler(num_device_blocks=6, enable_prefix_caching=False)
+    memory = KVMemory()
+    groups = _decoding(sched, [1, 1, 1], 4, memory)  # one block each, 3 of 6 free
+    vip = make_group("vip", list(range(100, 131)), arrival=9)  # 4 blocks: one victim must go, the latest
+    sched.add_group(vip)
+    out = run_step(sched, memory)
+    assert out.preempted == [groups[2]] and _shape(out) == [("r0", 4, 1, True), ("r1", 4, 1, True),
+                                                            ("vip", 0, 31, True)]
+    assert list(sched.running) == ["vip", "r0", "r1"]  # rank order: vip is never the next victim
+    _check_contents(sched, memory)
+    equal = make_group("equal", list(range(200, 240)), arrival=10, priority=1)  # never preempts its own rank
+    sched.add_group(equal)
+    assert not run_step(sched, memory).preempted and sched.waiting[-1] is equal
+
+
+def test_a_higher_priority_arrival_goes_before_lower_priority_swapped_groups():
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=5, preemption_mode="swap")
+    memory = KVMemory()
+    groups = _decoding(sched, [1, 0, 0], 8, memory)
+    assert run_step(sched, memory).preempted == [groups[0]] and list(sched.swapped) == [groups[0]]
+    sched.add_group(make_group("late", [7, 7, 7], arrival=5))  # FCFS would wait behind the swapped r0
+    out = run_step(sched, memory)
+    assert [s[0] for s in _shape(out)] == ["r1", "r2", "late"] and not out.blocks_to_swap_in
+    _check_contents(sched, memory)

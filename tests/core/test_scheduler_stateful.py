@@ -26,10 +26,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.groups = {}
 
     @rule(prefix=st.integers(0, 2), length=st.integers(1, 30), n=st.integers(1, 3),
-          salt=st.sampled_from([None, b"tenant"]))
-    def add(self, prefix, length, n, salt):
+          salt=st.sampled_from([None, b"tenant"]), priority=st.sampled_from([0, 0, 1, -1]))
+    def add(self, prefix, length, n, salt, priority):
         group = make_group(f"r{len(self.groups)}", PREFIXES[prefix][:length], arrival=len(self.groups), n=n,
-                           salt=salt, max_tokens=MAX_OUTPUT)
+                           salt=salt, max_tokens=MAX_OUTPUT, priority=priority)
         self.groups[group.request_id] = group
         self.sched.add_group(group)
 
@@ -92,6 +92,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             everything += requests
         if kv.fits_without_counting(sum(n for _, n in everything), len(everything)):
             assert kv.num_new_blocks(everything) <= kv.num_free_blocks
+        for queue in (list(self.sched.running.values()), self.sched.waiting, self.sched.swapped):
+            ranks = [(g.priority, g.metrics.arrival_time) for g in queue]
+            assert ranks == sorted(ranks), "a queue out of priority-then-arrival order"
         num_running_seqs = sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.sched.running.values())
         assert num_running_seqs <= self.sched.config.max_num_seqs
         if not self.sched.has_unfinished():

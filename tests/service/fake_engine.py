@@ -29,10 +29,12 @@ class FakeEngine:
         self.failing: set[str] = set()
         self.capacity = True
         self._boom = False
+        self.priorities: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    resume: ResumeState | None = None) -> None:
+                    resume: ResumeState | None = None, priority: int = 0) -> None:
+        self.priorities[request_id] = priority
         if self.faults and prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")
         self._boom |= self.faults and prompt_token_ids[0] == BOOM_ON_STEP
