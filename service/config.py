@@ -132,11 +132,11 @@ class GatewayConfig:
                                                     "characters are rejected before tokenizing")
     key_policies: tuple[str, ...] = spec(
         (), flag="--key-policy", secret=True,
-        help="one API key's priority and limits, repeatable: KEY:priority=N,max_concurrent=N,tokens_per_min=N "
+        help="one API key's priority and limits, repeatable: KEY:priority=N;max_concurrent=N;tokens_per_min=N "
              "(any subset; priority is added to each request's own, lower runs first; the limits hold across "
              "every gateway, through Redis; 429 with Retry-After beyond them)")
     default_key_policy: str = spec("", help="the policy of every key without its own --key-policy (and of "
-                                            "requests without a key), e.g. max_concurrent=32,tokens_per_min=200000")
+                                            "requests without a key), e.g. max_concurrent=32;tokens_per_min=200000")
     limit_lease_s: float = spec(600.0, low=0, low_open=True, flag="--limit-lease",
                                 help="seconds a request's concurrency slot outlives a gateway that died "
                                      "holding it")

@@ -37,10 +37,10 @@ class KeyPolicy:
 
 
 def parse_policy(text: str) -> KeyPolicy:
-    """``priority=1,max_concurrent=4,tokens_per_min=20000`` (any subset) -> KeyPolicy."""
+    """``priority=1;max_concurrent=4;tokens_per_min=20000`` (any subset) -> KeyPolicy."""
     names = {f.name for f in fields(KeyPolicy)}
     values: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in text.split(";"))):
         name, _, value = item.partition("=")
         if name not in names:
             raise ValueError(f"unknown key policy field {name!r}; known: {', '.join(sorted(names))}")
@@ -59,7 +59,7 @@ def parse_key_policies(entries: tuple[str, ...]) -> dict[str, KeyPolicy]:
     for i, entry in enumerate(entries):
         key, sep, policy = entry.partition(":")
         if not sep or not key:
-            raise ValueError(f"--key-policy entry {i + 1} is not KEY:field=value,...")
+            raise ValueError(f"--key-policy entry {i + 1} is not KEY:field=value;...")
         policies[key] = parse_policy(policy)
     return policies
 

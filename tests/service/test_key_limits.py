@@ -15,7 +15,7 @@ from tests.service.conftest import MODEL_NAME, gateway_client, memory_worker, ru
 from tests.service.fake_engine import FakeEngine
 
 KEYS = ("sk-batch", "sk-chat")
-POLICIES = (f"{KEYS[0]}:priority=5,max_concurrent=2,tokens_per_min=200",)
+POLICIES = (f"{KEYS[0]}:priority=5;max_concurrent=2;tokens_per_min=200",)
 
 
 def config(**overrides) -> GatewayConfig:
