@@ -412,6 +412,13 @@ class LLMEngine:
             seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------
+    def prefix_cache_summary(self) -> tuple[int, set[bytes]]:
+        """(block size, the hash of every block a new prompt could hit now), for routing by cached prefix
+        across engines; (0, empty) without prefix caching."""
+        if not self.scheduler.config.enable_prefix_caching:
+            return 0, set()
+        return self.scheduler.config.block_size, self.scheduler.kv.cached_block_hashes()
+
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         stats.grammar_mask_seconds_total = self.grammar.mask_seconds

@@ -44,6 +44,7 @@ class RequestHandle:
     request_id: str
     gateway_id: str
     entry_id: bytes  # the broker's id of the queue entry
+    stream: str = ""  # the queue it is in (Redis: the stream's key; "" where there is one queue)
 
 
 @dataclass(slots=True)
@@ -70,12 +71,12 @@ def rows_by_gateway(items: list[Reply]) -> dict[str, list[EventRow]]:
     return by_gateway
 
 
-def read_request(entry_id: bytes, payload: bytes) -> Pulled:
+def read_request(entry_id: bytes, payload: bytes, stream: str = "") -> Pulled:
     try:
         msg = decode(RequestMsg, payload)
     except SchemaError as exc:
-        return Pulled(RequestHandle("", "", entry_id), None, f"unreadable request: {exc}")
-    return Pulled(RequestHandle(msg.request_id, msg.gateway_id, entry_id), msg)
+        return Pulled(RequestHandle("", "", entry_id, stream), None, f"unreadable request: {exc}")
+    return Pulled(RequestHandle(msg.request_id, msg.gateway_id, entry_id, stream), msg)
 
 
 @dataclass(slots=True)
@@ -125,7 +126,8 @@ class WorkerBroker(Protocol):
     async def reclaim(self, room: int) -> list[Pulled]: ...
     async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]: ...
     async def gateways(self) -> dict[str, GatewayBeat]: ...
-    async def heartbeat(self, beat: Heartbeat) -> None: ...
+    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:
+        """Beats; ``prefixes``: the engine's cached block hashes, published for routing where the broker routes."""
 
 
 @runtime_checkable

@@ -130,6 +130,11 @@ class GatewayConfig:
     # Generous: long runs of spaces or symbols are single tokens in many vocabularies.
     max_chars_per_token: int = spec(64, low=1, help="prompts longer than the context length times this many "
                                                     "characters are rejected before tokenizing")
+    prefix_routing: bool = spec(True, flag="--no-prefix-routing",
+                                help="queue every request on the shared stream, not on the stream of the engine "
+                                     "that holds the longest part of its prompt in its prefix cache")
+    route_slack: int = spec(4, low=0, help="requests an engine may have waiting beyond the least-loaded engine "
+                                           "and still be routed a request for its cached prefix")
     key_policies: tuple[str, ...] = spec(
         (), flag="--key-policy", secret=True,
         help="one API key's priority and limits, repeatable: KEY:priority=N;max_concurrent=N;tokens_per_min=N "

@@ -162,5 +162,5 @@ class MemoryWorkerBroker:
     async def gateways(self) -> dict[str, GatewayBeat]:
         return {gateway_id: GatewayBeat(gateway_id) for gateway_id in self.bus.gateways}
 
-    async def heartbeat(self, beat: Heartbeat) -> None:
+    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:  # one engine: no routing
         self.bus.beats[self.engine_id] = (encode(beat), time.monotonic() + self._heartbeat_ttl_s)

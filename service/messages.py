@@ -19,7 +19,7 @@ from engine.stats import EngineStats
 # beam search (use_beam_search, best_of, length_penalty, early_stopping); 5: replies travel in one
 # ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
 # carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
-# 7: a RequestMsg carries its priority
+# 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size
 SCHEMA_VERSION = 7
 
 T = TypeVar("T")
@@ -164,6 +164,7 @@ class Heartbeat:
     model: str
     max_model_len: int
     stats: EngineStats  # a map of its field names on the wire
+    block_size: int = 0  # of its prefix cache, whose block hashes it publishes for routing; 0: no prefix caching
 
 
 # A ReplyBatch event on the wire: ``[request_id, index, kind, choices, finished, num_cached_tokens, error,

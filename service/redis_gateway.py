@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
@@ -25,7 +26,8 @@ from service.broker_api import BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.limits import RedisLimiter
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
-from service.redis_keys import RESUMES, Keys, split_consumer
+from service.redis_keys import PREFIX_KEY_BYTES, RESUMES, Keys, split_consumer
+from service.routing import choose_engine, leading_hits, prompt_block_keys
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import read_transcript
@@ -44,6 +46,8 @@ class _Submit:
     record: bytes
     payload: bytes
     done: asyncio.Future[None]
+    prompt_token_ids: list[int]
+    cache_salt: str | None
 
 
 class RedisGatewayBroker(ReplyRouter):
@@ -62,6 +66,7 @@ class RedisGatewayBroker(ReplyRouter):
         self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+        self._routed_since_beat: Counter[str] = Counter()  # requests routed to each engine since its figures
 
     def limiter(self, lease_s: float) -> RedisLimiter:
         """Per-key limits in this deployment's Redis (once started)."""
@@ -97,7 +102,7 @@ class RedisGatewayBroker(ReplyRouter):
     # ---- submit -----------------------------------------------------------
     async def submit(self, msg: RequestMsg, record: StreamRecord) -> asyncio.Queue[ReplyEvent]:
         item = _Submit(msg.request_id, msg.model, encode(record), encode(msg),
-                       asyncio.get_running_loop().create_future())
+                       asyncio.get_running_loop().create_future(), msg.prompt_token_ids, msg.cache_salt)
         queue = self._open(msg.request_id)  # before the XADD: the first replies may come at once
         self._submits.append(item)
         if self._flusher is None or self._flusher.done():
@@ -120,9 +125,10 @@ class RedisGatewayBroker(ReplyRouter):
         a burst costs a few round trips and one connection, never a connection each."""
         while self._submits:
             batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
+            routes = await self._routes(batch)
             pipe = self._client.pipeline(transaction=False)
-            for item in batch:
-                self._queue(pipe, item)
+            for item, engine_id in zip(batch, routes):
+                self._queue(pipe, item, engine_id)
             try:
                 await pipe.execute()
                 error = None
@@ -134,9 +140,45 @@ class RedisGatewayBroker(ReplyRouter):
                 else:
                     item.done.set_exception(error)
 
-    def _queue(self, pipe: Pipeline, item: _Submit) -> None:
+    def _queue(self, pipe: Pipeline, item: _Submit, engine_id: str | None = None) -> None:
+        """On the shared stream, or (``engine_id``) the stream of the engine it is routed to."""
         self._write_record(pipe, item)
-        pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+        if engine_id is None:
+            pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+            return
+        pipe.sadd(self._keys.routed_engines(item.model), engine_id)  # where reclaim and stealing look
+        pipe.xadd(self._keys.routed(item.model, engine_id), {"p": item.payload})
+        self._routed_since_beat[engine_id] += 1
+
+    async def _routes(self, batch: list[_Submit]) -> list[str | None]:
+        """Each submission's engine by cached prefix (``service.routing``), None for the shared stream: one
+        round trip for the batch; a failed one routes nothing."""
+        plan, pipe = [], self._client.pipeline(transaction=False)
+        for i, item in enumerate(batch):
+            for engine_id, beat in self.engines.items() if self.config.prefix_routing else ():
+                if beat.block_size and beat.model == item.model:
+                    keys = prompt_block_keys(item.prompt_token_ids, item.cache_salt, beat.block_size,
+                                             PREFIX_KEY_BYTES)
+                    if keys:
+                        pipe.smismember(self._keys.prefixes(engine_id), keys)
+                        plan.append((i, engine_id, beat.block_size))
+        if not plan:
+            return [None] * len(batch)
+        try:
+            found = await pipe.execute()
+        except BROKER_ERRORS:
+            return [None] * len(batch)
+        hits: list[dict[str, int]] = [{} for _ in batch]
+        for (i, engine_id, block_size), members in zip(plan, found):
+            hits[i][engine_id] = leading_hits(members) * block_size
+        return [choose_engine(h, self._queued(), self.config.route_slack) for h in hits]
+
+    def _queued(self) -> dict[str, int]:
+        """Each live engine's waiting requests as it last said, plus those routed to it since; a nearly full
+        KV pool counts as a long queue."""
+        return {engine_id: beat.stats.num_requests_waiting + self._routed_since_beat[engine_id]
+                + (self.config.route_slack + 1 if beat.stats.kv_cache_usage >= 0.95 else 0)
+                for engine_id, beat in self.engines.items()}
 
     def _write_record(self, pipe: Pipeline, item: _Submit) -> None:
         """The StreamRecord, unless one is there (SET NX): the reply of the SET says whether it was missing."""
@@ -267,6 +309,7 @@ class RedisGatewayBroker(ReplyRouter):
         except BROKER_ERRORS as exc:
             log.debug("heartbeat read failed: %s", type(exc).__name__)
             return None
+        self._routed_since_beat.clear()  # the engines' figures are fresh again
         return {i: b for i, b in zip(ids, beats) if b is not None}
 
     async def _beat(self) -> None:

@@ -7,6 +7,12 @@
                         lost (restarted empty) and whose engine died: taken over, not dropped as a duplicate
   {p}:out:{gateway}     a gateway's reply stream: one ReplyBatch entry (field "b") per engine step, trimmed to the
                         reply retention window; any gateway may read it (to resume a client's stream)
+  {p}:requests:{model}:to:{engine}  stream of RequestMsg routed to one engine by its cached prefix (same group and
+                        fields); its engine reads it first, an idle engine takes an entry left unread
+                        ``steal_after_s``, and its pending entries are reclaimed like the shared stream's
+  {p}:routed:{model}    set of the engine ids that have such a stream (for reclaim and stealing)
+  {p}:prefixes:{engine} set of the first 8 bytes of each prefix-cache block hash the engine holds, expiring
+                        with its heartbeat (the gateway's routing reads it)
   {p}:request:{id}      StreamRecord, written by the gateway at submission, kept the retention window
                         after the request finishes
   {p}:owner:{id}        the consumer that runs the request, claimed with SET NX: a duplicated queue entry
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFIX_KEY_BYTES = 8  # of a block hash, in an engine's prefixes set: a collision only misroutes, at worst
 RESUMES = "resumes"  # a request-stream field: the entry re-queues a request whose engine died (see above)
 
 
@@ -48,6 +55,16 @@ class Keys:
     def requests(self, model: str) -> str:
         """One request stream per served model, so an engine never takes another model's requests."""
         return f"{self.prefix}:requests:{model}"
+
+    def routed(self, model: str, engine_id: str) -> str:
+        """The stream of requests routed to one engine (a suffix of the model's: the same hash tag, if any)."""
+        return f"{self.requests(model)}:to:{engine_id}"
+
+    def routed_engines(self, model: str) -> str:
+        return f"{self.prefix}:routed:{model}"
+
+    def prefixes(self, engine_id: str) -> str:
+        return f"{self.prefix}:prefixes:{engine_id}"
 
     def out(self, gateway_id: str) -> str:
         return f"{self.prefix}:out:{gateway_id}"

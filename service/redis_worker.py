@@ -1,6 +1,7 @@
 """An engine worker's side of the Redis broker (schema v5; the key layout is in ``service.redis_keys``).
 
-- Pull: XREADGROUP as consumer ``engine_id/incarnation``; each entry's request is claimed with
+- Pull: XREADGROUP as consumer ``engine_id/incarnation``, from the stream of requests routed to this engine
+  (by their cached prefix, see ``service.routing``) and the model's shared stream; each entry's request is claimed with
   ``SET owner NX``, so a duplicated entry (a retried XADD) is acked and dropped, never run twice.
   After a failed read, the consumer's own pending entries are read back (id "0"): a read that timed
   out after Redis delivered leaves nothing unprocessed.
@@ -9,7 +10,12 @@
   did not land), and a finished request's entry acked and deleted.
 - Reclaim: the pending entries of dead consumers (their engine's heartbeat is gone or names another
   incarnation) are taken over with XCLAIM (atomic: once claimed, a second claimer's min-idle fails)
-  and come back with their transcript, so the worker resumes them where the dead engine stopped.
+  and come back with their transcript, so the worker resumes them where the dead engine stopped; in the
+  shared stream and in every engine's routed stream.
+- Steal: an engine with room takes the entries another engine's routed stream left unread for
+  ``steal_after_s`` (that engine is busy, or dead): routing never strands a request.
+- Prefixes: each heartbeat carries the changes to the set of this engine's cached block hashes (their first
+  8 bytes; the whole set again after the beat key was found gone), expiring with the beat.
 - Redis restarted empty (no persistence): the next heartbeat finds this engine's beat key gone and sets
   ``lost_state``; the worker then re-asserts ownership of what it runs (``taken_over``: SET owner NX, so a
   request another engine claimed meanwhile is dropped here) and re-writes its checkpoints. The gateways
@@ -23,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -33,7 +40,7 @@ from service.broker_api import BrokerUnavailable, Pulled, Reply, RequestHandle, 
 from service.config import RedisConfig
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, SchemaError, StreamRecord, decode, encode,
                               pack_batch)
-from service.redis_keys import RESUMES, Keys, consumer_name, split_consumer
+from service.redis_keys import PREFIX_KEY_BYTES, RESUMES, Keys, consumer_name, split_consumer
 from service.step_lane import Command, StepLane
 from service.transcript import read_transcript
 
@@ -41,6 +48,9 @@ log = logging.getLogger(__name__)
 
 _DEADLETTER_MAXLEN = 10_000
 _LANE_RETRY_S = 0.5
+_SET_CHUNK = 4096  # members per SADD / SREM
+
+Entry = tuple[str, bytes, dict]  # (stream, entry id, fields)
 
 
 @dataclass(slots=True)
@@ -52,7 +62,7 @@ class LaneCall:
     finished: list[RequestHandle]
     sent: bool
     replies: list | None = None  # None: the exchange failed
-    fresh: list[tuple[bytes, dict]] = field(default_factory=list)  # the entries the poll delivered
+    fresh: list[Entry] = field(default_factory=list)  # the entries the poll delivered
     pulled: list[Pulled] = field(default_factory=list)  # read from them
     owners: list | None = None  # ``_own``'s replies for the readable ones; None: that exchange failed
 
@@ -61,20 +71,25 @@ class RedisWorkerBroker:
     """Pull requests, read aborts, publish replies and checkpoints, reclaim dead engines' requests, beat."""
 
     def __init__(self, config: RedisConfig, engine_id: str, model: str, reply_ttl_s: int,
-                 heartbeat_ttl_s: float) -> None:
+                 heartbeat_ttl_s: float, steal_after_s: float = 1.0) -> None:
         self.config = config
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.consumer = consumer_name(engine_id, self.incarnation)
         self._keys = Keys(config.prefix)
+        self._model = model
         self._requests = self._keys.requests(model)
+        self._routed = self._keys.routed(model, engine_id)
+        self._streams = (self._routed, self._requests)  # what was routed here goes first
+        self._steal_after_ms = int(steal_after_s * 1000)
+        self._published_prefixes: set[bytes] | None = None  # as the set in Redis holds them; None: unknown
         self._reply_ttl_s = reply_ttl_s
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._client: aioredis.Redis | None = None
         self._blocking: aioredis.Redis | None = None
         self._lane: StepLane | None = None
         self._abort_cursor = b"0-0"
-        self._running: set[bytes] = set()  # entry ids of the requests this consumer runs
+        self._running: set[tuple[str, bytes]] = set()  # (stream, entry id) of the requests this consumer runs
         self._expire_due: dict[str, float] = {}  # gateway id -> when its out stream's TTL is renewed next
         self._recover = False  # a read failed: Redis may have delivered entries that never arrived
         # The beat key was gone (Redis restarted empty, or it expired in a stall): the owner keys of the
@@ -84,7 +99,7 @@ class RedisWorkerBroker:
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
         self._lane = StepLane(self.config, retry_s=_LANE_RETRY_S)
-        await ensure_group(self._client, self._requests)
+        await self._ensure_groups()
         # Aborts from the last minute still matter: their requests may be queued.
         self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
 
@@ -107,51 +122,59 @@ class RedisWorkerBroker:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            await ensure_group(self._client, self._requests)  # Redis restarted empty
+            await self._ensure_groups()  # Redis restarted empty
             return [], []
         except Exception:
             self._recover = True
             raise
 
+    async def _ensure_groups(self) -> None:
+        for stream in self._streams:
+            await ensure_group(self._client, stream)
+        await self._client.sadd(self._keys.routed_engines(self._model), self.engine_id)
+
     async def _poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
         recovered = await self._own_pending() if self._recover else []
         self._recover = False
+        streams = {stream: ">" for stream in self._streams}
         if block and count:
-            entries = await self._blocking.xreadgroup(GROUP, self.consumer, {self._requests: ">"},
-                                                      count=count, block=self.config.block_ms)
+            entries = await self._blocking.xreadgroup(GROUP, self.consumer, streams, count=count,
+                                                      block=self.config.block_ms)
             aborts = await self._client.xread({self._keys.aborts: self._abort_cursor})
         else:
             pipe = self._client.pipeline(transaction=False)
             if count:
-                pipe.xreadgroup(GROUP, self.consumer, {self._requests: ">"}, count=count)
+                pipe.xreadgroup(GROUP, self.consumer, streams, count=count)
             pipe.xread({self._keys.aborts: self._abort_cursor})
             results = await pipe.execute()
             entries, aborts = (results if count else ([], results[0]))
-        fresh = [(e, f) for _, stream in entries or [] for e, f in stream]
-        pulled = await self._claim(recovered, mine_ok=True) + await self._claim(fresh, mine_ok=False)
+        pulled = await self._claim(recovered, mine_ok=True) + await self._claim(_entries(entries), mine_ok=False)
         return pulled, self._read_aborts(aborts)
 
-    async def _own_pending(self) -> list[tuple[bytes, dict]]:
+    async def _own_pending(self) -> list[Entry]:
         """This consumer's pending entries it is not running (a read whose reply was lost). Listed with
         XPENDING and fetched with XRANGE: re-reading them with XREADGROUP would count a delivery each
         time, and a few link errors would dead-letter a healthy request."""
-        pending = await self._client.xpending_range(self._requests, GROUP, "-", "+", 1000, consumername=self.consumer)
-        ids = [p["message_id"] for p in pending if p["message_id"] not in self._running]
-        if not ids:
-            return []
-        pipe = self._client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xrange(self._requests, entry_id, entry_id)
-        return [(e, f) for entries in await pipe.execute() for e, f in entries if f]
+        found: list[Entry] = []
+        for stream in self._streams:
+            pending = await self._client.xpending_range(stream, GROUP, "-", "+", 1000, consumername=self.consumer)
+            ids = [p["message_id"] for p in pending if (stream, p["message_id"]) not in self._running]
+            if not ids:
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.xrange(stream, entry_id, entry_id)
+            found += [(stream, e, f) for entries in await pipe.execute() for e, f in entries if f]
+        return found
 
-    async def _claim(self, entries: list[tuple[bytes, dict]], mine_ok: bool) -> list[Pulled]:
+    async def _claim(self, entries: list[Entry], mine_ok: bool) -> list[Pulled]:
         """Each request's owner key, set if absent (see ``_claimed``)."""
         pulled = _read_entries(entries)
         readable = [p for p in pulled if p.msg is not None]
         owners = await self._own([p.msg.request_id for p in readable]) if readable else []
         return await self._claimed(entries, pulled, owners, mine_ok)
 
-    async def _claimed(self, entries: list[tuple[bytes, dict]], pulled: list[Pulled], owners: list[bytes | None],
+    async def _claimed(self, entries: list[Entry], pulled: list[Pulled], owners: list[bytes | None],
                        mine_ok: bool) -> list[Pulled]:
         """``owners``: what each readable request's owner key held before ``_own``. One already set is a
         duplicate entry's (or, with ``mine_ok``, this consumer's own claim from a read whose reply was lost),
@@ -161,17 +184,17 @@ class RedisWorkerBroker:
         if not readable:
             return pulled
         me = self.consumer.encode()
-        requeued = {entry_id for entry_id, fields in entries if RESUMES.encode() in fields}
+        requeued = {(stream, entry_id) for stream, entry_id, fields in entries if RESUMES.encode() in fields}
         orphans = await self._of_dead_owners([(p, old) for p, old in zip(readable, owners)
-                                              if p.handle.entry_id in requeued and old != me])
-        duplicates = {p.handle.entry_id for p, old in zip(readable, owners)
-                      if old is not None and not (mine_ok and old == me)} - {p.handle.entry_id for p in orphans}
+                                              if self._key(p.handle) in requeued and old != me])
+        duplicates = {self._key(p.handle) for p, old in zip(readable, owners)
+                      if old is not None and not (mine_ok and old == me)} - {self._key(p.handle) for p in orphans}
         await self._take_over(orphans)
         if duplicates:
             log.warning("dropping %d duplicated request entries", len(duplicates))
-            await self._drop(*duplicates)
-        kept = [p for p in pulled if p.handle.entry_id not in duplicates]
-        self._running.update(p.handle.entry_id for p in kept if p.msg is not None)
+            await self._drop([p.handle for p in pulled if self._key(p.handle) in duplicates])
+        kept = [p for p in pulled if self._key(p.handle) not in duplicates]
+        self._running.update(self._key(p.handle) for p in kept if p.msg is not None)
         return kept
 
     async def _of_dead_owners(self, claimed: list[tuple[Pulled, bytes | None]]) -> list[Pulled]:
@@ -193,11 +216,8 @@ class RedisWorkerBroker:
         return [("SET", self._keys.owner(rid), self.consumer, "NX", "GET", "EX", UNFINISHED_TTL_S)
                 for rid in request_ids]
 
-    async def _drop(self, *entry_ids: bytes) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xack(self._requests, GROUP, *entry_ids)
-        pipe.xdel(self._requests, *entry_ids)
-        await pipe.execute()
+    async def _drop(self, handles: list[RequestHandle]) -> None:
+        await self._execute(self._ack_commands(handles))
 
     def _read_aborts(self, response: list) -> list[str]:
         ids = []
@@ -236,7 +256,7 @@ class RedisWorkerBroker:
         return commands + self._finish_commands(finished), finished
 
     def _published(self, finished: list[RequestHandle]) -> None:
-        self._running.difference_update(h.entry_id for h in finished)
+        self._running.difference_update(self._key(h) for h in finished)
 
     def _finish_commands(self, handles: list[RequestHandle]) -> list[Command]:
         if not handles:
@@ -244,8 +264,19 @@ class RedisWorkerBroker:
         commands: list[Command] = [("EXPIRE", key(handle.request_id), self._reply_ttl_s) for handle in handles
                                    if handle.request_id for key in (self._keys.request, self._keys.owner,
                                                                     self._keys.progress)]
-        entry_ids = [h.entry_id for h in handles]
-        return commands + [("XACK", self._requests, GROUP, *entry_ids), ("XDEL", self._requests, *entry_ids)]
+        return commands + self._ack_commands(handles)
+
+    def _key(self, handle: RequestHandle) -> tuple[str, bytes]:
+        return handle.stream or self._requests, handle.entry_id
+
+    def _ack_commands(self, handles: list[RequestHandle]) -> list[Command]:
+        """Each handle's entry acked and deleted, in the stream it came from."""
+        by_stream: defaultdict[str, list[bytes]] = defaultdict(list)
+        for handle in handles:
+            stream, entry_id = self._key(handle)
+            by_stream[stream].append(entry_id)
+        return [command for stream, ids in by_stream.items()
+                for command in (("XACK", stream, GROUP, *ids), ("XDEL", stream, *ids))]
 
     async def _execute(self, commands: list[Command]) -> list:
         pipe = self._client.pipeline(transaction=False)
@@ -264,7 +295,7 @@ class RedisWorkerBroker:
         """Step thread, before the step: ``publish``'s commands, then ``poll``'s (non-blocking)."""
         commands, finished = self._publish_commands(items, checkpoints)
         poll: list[Command] = [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, "STREAMS",
-                                self._requests, ">")] if count else []
+                                *self._streams, *(">",) * len(self._streams))] if count else []
         poll.append(("XREAD", "STREAMS", self._keys.aborts, self._abort_cursor))
         return LaneCall(len(commands), bool(count), finished, self._lane.send(commands + poll))
 
@@ -273,7 +304,7 @@ class RedisWorkerBroker:
         call.replies = self._lane.receive() if call.sent else None
         if not call.pulls or call.replies is None or isinstance(reply := call.replies[call.publish], ResponseError):
             return
-        call.fresh = [(e, f) for _, stream in _stream_reply(reply) for e, f in stream]
+        call.fresh = _entries(_stream_reply(reply))
         call.pulled = _read_entries(call.fresh)
         ids = [p.msg.request_id for p in call.pulled if p.msg is not None]
         if ids and self._lane.send(self._own_commands(ids)):
@@ -310,7 +341,7 @@ class RedisWorkerBroker:
     async def ack(self, handle: RequestHandle) -> None:
         """Ends an entry that needs no reply: unreadable, or its request finished before."""
         await self._execute(self._finish_commands([handle]))
-        self._running.discard(handle.entry_id)
+        self._running.discard(self._key(handle))
 
     @_unavailable_on_error
     async def dead_letter(self, handle: RequestHandle, reason: str) -> None:
@@ -321,20 +352,55 @@ class RedisWorkerBroker:
     @_unavailable_on_error
     async def reclaim(self, room: int) -> list[Pulled]:
         """Up to ``room`` pending entries of dead consumers, claimed for this one, with their transcripts
-        (``Pulled.resume``) and how many engines had them (``Pulled.deliveries``)."""
-        dead = await self._dead_consumers()
+        (``Pulled.resume``) and how many engines had them (``Pulled.deliveries``); then, with room left,
+        entries other engines' routed streams left unread too long."""
         pulled: list[Pulled] = []
-        for name, pending in dead:
-            if not pending:
-                await self._client.xgroup_delconsumer(self._requests, GROUP, name)
-            elif len(pulled) < room:
-                pulled += await self._claim_from(name, room - len(pulled))
+        engines = sorted(e.decode() for e in await self._client.smembers(self._keys.routed_engines(self._model)))
+        routed = [self._keys.routed(self._model, engine_id) for engine_id in engines]
+        for stream in [self._requests, *routed]:
+            for name, pending in await self._dead_consumers(stream):
+                if not pending:
+                    await self._client.xgroup_delconsumer(stream, GROUP, name)
+                elif len(pulled) < room:
+                    pulled += await self._claim_from(stream, name, room - len(pulled))
+        if len(pulled) < room:
+            pulled += await self._steal([s for s in routed if s != self._routed], room - len(pulled))
         return pulled
 
-    async def _dead_consumers(self) -> list[tuple[str, int]]:
+    async def _steal(self, streams: list[str], room: int) -> list[Pulled]:
+        """The unread entries of other engines' routed streams whose oldest unread one waited
+        ``steal_after_s``: that engine is busy (or dead), this one has room."""
+        pulled: list[Pulled] = []
+        now_ms = time.time() * 1000
+        for stream in streams:
+            if len(pulled) >= room:
+                break
+            if not await self._waited_too_long(stream, now_ms):
+                continue
+            entries = await self._client.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=room - len(pulled))
+            taken = await self._claim(_entries(entries), mine_ok=False)
+            log.info("took %d requests routed to another engine from %s", len(taken), stream)
+            pulled += taken
+        return pulled
+
+    async def _waited_too_long(self, stream: str, now_ms: float) -> bool:
+        try:
+            groups = await self._client.xinfo_groups(stream)
+        except ResponseError:
+            return False  # no such stream
+        group = next((g for g in groups if g["name"] == GROUP.encode()), None)
+        if group is None or not group.get("lag"):
+            return False  # nothing unread (or, lag unknown, nothing cheap to tell)
+        oldest = await self._client.xrange(stream, min=b"(" + group["last-delivered-id"], max="+", count=1)
+        return bool(oldest) and now_ms - int(oldest[0][0].split(b"-")[0]) >= self._steal_after_ms
+
+    async def _dead_consumers(self, stream: str) -> list[tuple[str, int]]:
         """(name, pending count) of each consumer whose engine's heartbeat is gone or names another incarnation."""
-        consumers = [(c["name"].decode(), c["pending"]) for c in
-                     await self._client.xinfo_consumers(self._requests, GROUP)]
+        try:
+            infos = await self._client.xinfo_consumers(stream, GROUP)
+        except ResponseError:
+            return []  # a routed stream not created yet, or its group (Redis restarted empty)
+        consumers = [(c["name"].decode(), c["pending"]) for c in infos]
         others = [(name, pending) for name, pending in consumers if name != self.consumer]
         if not others:
             return []
@@ -342,18 +408,17 @@ class RedisWorkerBroker:
         beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners])
         return [c for c, (_, incarnation), beat in zip(others, owners, beats) if not _alive(beat, incarnation)]
 
-    async def _claim_from(self, consumer: str, count: int) -> list[Pulled]:
-        pending = await self._client.xpending_range(self._requests, GROUP, min="-", max="+", count=count,
+    async def _claim_from(self, stream: str, consumer: str, count: int) -> list[Pulled]:
+        pending = await self._client.xpending_range(stream, GROUP, min="-", max="+", count=count,
                                                     consumername=consumer, idle=self._heartbeat_ttl_ms)
         if not pending:
             return []
         deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
-        claimed = await self._client.xclaim(self._requests, GROUP, self.consumer, self._heartbeat_ttl_ms,
-                                            list(deliveries))
-        pulled = [read_request(e, f.get(b"p", b"")) for e, f in claimed if f]
+        claimed = await self._client.xclaim(stream, GROUP, self.consumer, self._heartbeat_ttl_ms, list(deliveries))
+        pulled = [read_request(e, f.get(b"p", b""), stream) for e, f in claimed if f]
         for p in pulled:
             p.deliveries = deliveries.get(p.handle.entry_id, 1)
-            self._running.add(p.handle.entry_id)
+            self._running.add(self._key(p.handle))
         await self._take_over([p for p in pulled if p.msg is not None])
         log.info("claimed %d requests of dead consumer %s", len(pulled), consumer)
         return pulled
@@ -382,7 +447,7 @@ class RedisWorkerBroker:
             raise
         me = self.consumer.encode()
         lost = [h for h, owner in zip(handles, owners) if owner is not None and owner != me]
-        self._running.difference_update(h.entry_id for h in lost)
+        self._running.difference_update(self._key(h) for h in lost)
         return lost
 
     @_unavailable_on_error
@@ -393,17 +458,40 @@ class RedisWorkerBroker:
         return {i: _gateway_beat(i, b) for i, b in zip(ids, beats) if b is not None}
 
     @_unavailable_on_error
-    async def heartbeat(self, beat: Heartbeat) -> None:
+    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
-        previous, _ = await pipe.execute()
-        if previous is None:  # the first beat, an expiry, or Redis restarted empty
+        published = self._queue_prefixes(pipe, {h[:PREFIX_KEY_BYTES] for h in prefixes})
+        self._published_prefixes = None  # unknown until the pipeline's answer
+        previous, *_ = await pipe.execute()
+        self._published_prefixes = published
+        if previous is None:  # the first beat, an expiry, or Redis restarted empty: the set may be gone too
             self.lost_state = True
+            self._published_prefixes = None
+
+    def _queue_prefixes(self, pipe: aioredis.client.Pipeline, current: set[bytes]) -> set[bytes]:
+        """The commands that make the routing set ``current`` (only the changes when the set in Redis is known)."""
+        key = self._keys.prefixes(self.engine_id)
+        if self._published_prefixes is None:
+            pipe.delete(key)
+            added, removed = current, set()
+        else:
+            added, removed = current - self._published_prefixes, self._published_prefixes - current
+        for command, members in ((pipe.sadd, list(added)), (pipe.srem, list(removed))):
+            for start in range(0, len(members), _SET_CHUNK):
+                command(key, *members[start:start + _SET_CHUNK])
+        pipe.pexpire(key, self._heartbeat_ttl_ms)
+        return current
 
 
-def _read_entries(entries: list[tuple[bytes, dict]]) -> list[Pulled]:
-    return [read_request(entry_id, fields.get(b"p", b"")) for entry_id, fields in entries]
+def _read_entries(entries: list[Entry]) -> list[Pulled]:
+    return [read_request(entry_id, fields.get(b"p", b""), stream) for stream, entry_id, fields in entries]
+
+
+def _entries(reply: list | None) -> list[Entry]:
+    """An XREADGROUP reply's entries, each with its stream."""
+    return [(stream.decode(), e, f) for stream, entries in reply or [] for e, f in entries]
 
 
 def _stream_reply(reply: list | None) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:

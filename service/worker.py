@@ -60,6 +60,8 @@ class Engine(Protocol):
 
     max_model_len: int
 
+    def prefix_cache_summary(self) -> tuple[int, set[bytes]]: ...
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0) -> None: ...
 
@@ -112,6 +114,8 @@ class Worker:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._stats: EngineStats = engine.stats()
         self._stats_time = 0.0
+        self._prefixes: tuple[int, set[bytes]] = engine.prefix_cache_summary()  # (block size, hashes)
+        self._prefixes_time = 0.0
         self._publishing: asyncio.Task | None = None
         self._outbox: Published = []
         self._outbox_failing_since: float | None = None
@@ -496,6 +500,8 @@ class Worker:
         now = time.monotonic()
         if now - self._stats_time >= self.config.heartbeat_interval_s / 2 or not self.engine.has_unfinished_requests():
             self._stats, self._stats_time = self.engine.stats(), now
+        if now - self._prefixes_time >= self.config.heartbeat_interval_s:  # a copy of the hash set: once a beat
+            self._prefixes, self._prefixes_time = self.engine.prefix_cache_summary(), now
 
     def _row(self, handle: RequestHandle, kind: EventKind, **fields: Any) -> EventRow:
         return event_row(handle.request_id, ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields))
@@ -522,8 +528,9 @@ class Worker:
     async def _send_beat(self) -> None:
         previous_ok, was_lost = self._beat_ok_at, self.broker.lost_state
         try:
+            block_size, hashes = self._prefixes
             await self.broker.heartbeat(Heartbeat(self.config.engine_id, self.incarnation, self.model_name,
-                                                  self.engine.max_model_len, self._stats))
+                                                  self.engine.max_model_len, self._stats, block_size), hashes)
             self._beat_ok_at = time.monotonic()
             if not self.broker.lost_state:
                 self._outage_since = None  # Redis kept its state: nothing sent before the outage was lost

@@ -184,6 +184,9 @@ class ContiguousKVCacheManager:
         order = self._blocked_order
         return order is not None and self.arena.num_free_blocks >= 1 << order and not self.arena.can_allocate(order)
 
+    def cached_block_hashes(self) -> set[bytes]:
+        return set()  # no prefix caching
+
     def stats(self) -> KVCacheStats:
         bs, arena = self.block_size, self.arena
         used = arena.num_blocks - arena.num_free_blocks

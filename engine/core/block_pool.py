@@ -100,6 +100,10 @@ class BlockPool:
         block.num_slots = num_slots
         block.num_computed = num_computed
 
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes a lookup can find now (blocks in use and cached free ones)."""
+        return set(self._cached)
+
     def lookup(self, block_hash: bytes, token_ids: list[int]) -> Block | None:
         block = self._cached.get(block_hash)
         if block is None or block.token_ids != tuple(token_ids):

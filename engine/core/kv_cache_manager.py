@@ -276,6 +276,9 @@ class KVCacheManager:
             table.on_cpu = dst is self.cpu_pool
         return [(src_id, block.block_id) for src_id, block in mapping.items()]
 
+    def cached_block_hashes(self) -> set[bytes]:
+        return self.device_pool.cached_hashes()
+
     def stats(self) -> KVCacheStats:
         dev, cpu, bs = self.device_pool, self.cpu_pool, self.block_size
         used = dev.num_blocks - dev.num_free_blocks

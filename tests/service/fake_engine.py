@@ -74,5 +74,8 @@ class FakeEngine:
     def has_capacity(self) -> bool:
         return self.capacity
 
+    def prefix_cache_summary(self) -> tuple[int, set[bytes]]:
+        return 0, set()
+
     def stats(self) -> EngineStats:
         return engine_stats(num_requests_running=len(self.requests))
