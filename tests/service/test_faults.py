@@ -103,6 +103,13 @@ Owners = dict[str, str]  # request id -> its owner record's consumer
 During = Callable[[Owners], Awaitable[None]]
 
 
+def queued_entries(stack: LocalStack) -> int:
+    """Entries in the model's shared request stream and in the streams of requests routed to each engine."""
+    routed = [f"{REQUESTS}:to:{engine.decode()}" for engine in
+              stack.redis_command("SMEMBERS", f"{PREFIX}:routed:{MODEL_NAME}")]
+    return sum(stack.redis_command("XLEN", stream) for stream in [REQUESTS, *routed])
+
+
 async def streams(stack: LocalStack, prompts: list[str], during: During | None = None,
                   deadline_s: float = STREAM_DEADLINE_S, max_tokens: int = MAX_TOKENS,
                   url: str | None = None, queued: bool = False) -> list[Outcome]:
@@ -115,7 +122,7 @@ async def streams(stack: LocalStack, prompts: list[str], during: During | None =
         earlier = set(owner_records(stack))
         tasks = [asyncio.create_task(openai_stream(client, o, MODEL_NAME, max_tokens)) for o in outcomes]
         if during is not None and queued:
-            await until(lambda: stack.redis_command("XLEN", REQUESTS) >= len(prompts), 30)
+            await until(lambda: queued_entries(stack) >= len(prompts), 30)
         elif during is not None:
             await until(lambda: len(set(owner_records(stack)) - earlier) >= len(prompts), 30)
             await asyncio.sleep(0.2)  # a few tokens out
