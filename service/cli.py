@@ -142,7 +142,8 @@ async def _serve_worker(config: WorkerConfig) -> int:
     engine = LLMEngine(config.engine)
     tune_gc()
     name = served_name(config.engine.model, config.served_model_name)
-    broker = RedisWorkerBroker(config.redis, config.engine_id, name, config.reply_ttl_s, config.heartbeat_ttl_s)
+    broker = RedisWorkerBroker(config.redis, config.engine_id, name, config.reply_ttl_s, config.heartbeat_ttl_s,
+                               config.steal_after_s)
     worker = Worker(config, engine, name, broker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -180,6 +180,9 @@ class WorkerConfig:
                                        "restarted empty (it may have lost them unread)")
     # Requests taken per step at most, so engines share the queue.
     max_pull: int = spec(8, low=1, help="most new requests taken per step")
+    steal_after_s: float = spec(1.0, low=0, flag="--steal-after",
+                                help="seconds a request routed to another engine may wait unread before this "
+                                     "engine, with room, takes it")
     checkpoint_interval_s: float = spec(2.0, low=0, low_open=True, flag="--checkpoint-interval",
                                         help="seconds between checkpoints of each running request's delivered "
                                              "tokens (a resuming engine reads the replies since the last one)")
