@@ -6,8 +6,11 @@
 Starts a stack on loopback (private redis-server, ``--workers`` workers with short heartbeats,
 ``--gateways`` gateways, the demo model unless ``--model``), computes each prompt's undisturbed greedy
 text once, then runs ``--clients`` concurrent greedy streaming clients for ``--minutes`` while a seeded
-schedule (mean ``--mean-fault-s`` between faults) SIGKILLs a worker, SIGTERMs one (a drain), or
-SIGKILLs Redis, each restarted after a short random outage.
+schedule (mean ``--mean-fault-s`` between faults) SIGKILLs a worker, SIGTERMs one (a drain), SIGSTOPs one
+(a hung engine holding routed requests, continued after the outage), makes one's prefix summary stale (it
+claims another engine's cached blocks, so requests are routed where their prefix is not), or SIGKILLs
+Redis, each restarted after a short random outage. The prompts recur, so most requests are routed to the
+engine caching them: a killed or stopped engine holds routed requests, in its stream and in flight.
 
 Reports requests sent, completed, failed (by reason; ``refused``: of those, the ones answered with
 an HTTP error before streaming, e.g. 503 while no engine or no Redis is up), resumed (completed
@@ -53,7 +56,8 @@ ENGINE = EngineConfig(num_device_blocks=256, max_num_seqs=16, num_threads=1, att
 WORKER_FLAGS = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1", "--redis-block-ms", "200"]
 GATEWAY_FLAGS = ["--engine-poll", "0.2", "--redis-block-ms", "200"]
 # (action, relative weight); a Redis restart loses in-flight requests, so it is the rarest
-ACTIONS = (("kill_worker", 5), ("term_worker", 2), ("restart_redis", 1))
+ACTIONS = (("kill_worker", 5), ("term_worker", 2), ("stop_worker", 2), ("stale_summary", 2), ("restart_redis", 1))
+PREFIX = "pagedserve"  # the stack's Redis key prefix (the default)
 
 
 @dataclass(slots=True)
@@ -172,11 +176,25 @@ async def chaos(run: Run, stack: LocalStack, rng: random.Random, stop_at: float)
 
 
 async def inject(stack: LocalStack, target: Child, action: str, outage_s: float) -> None:
+    if action == "stale_summary":  # instant: the summary stays wrong until the engine's set is rewritten
+        others = [w for w in stack.workers if w is not target]
+        if others:
+            stack.redis_command("SUNIONSTORE", _prefixes(target), _prefixes(target), _prefixes(others[0]))
+        return
+    if action == "stop_worker":
+        target.process.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(outage_s)
+        target.process.send_signal(signal.SIGCONT)
+        return
     target.process.send_signal(signal.SIGTERM if action == "term_worker" else signal.SIGKILL)
     while target.returncode is None:  # a draining worker finishes its requests first
         await asyncio.sleep(0.1)
     await asyncio.sleep(outage_s)
     stack.restart(target)  # on the loop's (main) thread: a child dies with the thread that started it
+
+
+def _prefixes(worker: Child) -> str:
+    return f"{PREFIX}:prefixes:{worker.argv[worker.argv.index('--engine-id') + 1]}"
 
 
 async def progress(run: Run, stop_at: float) -> None:
@@ -238,7 +256,8 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 4))
     ends = [[r["end"] for r in result["requests"] if r["done"] is done] for done in (True, False)]
     ax.hist(ends, bins=bins, stacked=True, label=["completed", "failed"], color=["tab:green", "tab:red"])
-    colors = {"kill_worker": "black", "term_worker": "tab:blue", "restart_redis": "tab:orange"}
+    colors = {"kill_worker": "black", "term_worker": "tab:blue", "stop_worker": "tab:purple",
+              "stale_summary": "tab:gray", "restart_redis": "tab:orange"}
     for f in result["faults"]:
         ax.axvline(f["t"], color=colors[f["action"]], linestyle="--", linewidth=1)
         ax.text(f["t"], ax.get_ylim()[1] * 0.95, f"{f['action']} {f['target']}", rotation=90, fontsize=7,

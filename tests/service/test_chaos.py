@@ -1,5 +1,6 @@
 """A short chaos run (loadtest/chaos.py) in the default suite: workers SIGKILLed and SIGTERMed at
-random under streaming load; every request completes with its undisturbed text, none hangs. Redis
+random, SIGSTOPped (routed requests stolen or resumed) and given stale prefix summaries under streaming
+load; every request completes with its undisturbed text, none hangs. Redis
 restarts, which lose in-flight requests by design (no persistence), are left to test_faults.py."""
 from __future__ import annotations
 
