@@ -80,6 +80,7 @@ class RedisWorkerBroker:
         # The beat key was gone (Redis restarted empty, or it expired in a stall): the owner keys of the
         # requests this engine runs may be gone or another engine's; ``taken_over`` settles it.
         self.lost_state = False
+        self.kv_wanted = False
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
@@ -397,9 +398,15 @@ class RedisWorkerBroker:
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
-        previous, _ = await pipe.execute()
+        pipe.exists(self._keys.kv_wanted(self.engine_id))
+        previous, _, wanted = await pipe.execute()
         if previous is None:  # the first beat, an expiry, or Redis restarted empty
             self.lost_state = True
+        self.kv_wanted = bool(wanted)
+
+    @_unavailable_on_error
+    async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
+        await self._client.set(self._keys.kv_snapshot(self.engine_id), payload, px=int(ttl_s * 1000))
 
 
 def _read_entries(entries: list[tuple[bytes, dict]]) -> list[Pulled]:
