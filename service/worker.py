@@ -517,13 +517,11 @@ class Worker:
         now = time.monotonic()
         if now < self._kv_snapshot_at or (self._kv_publishing is not None and not self._kv_publishing.done()):
             return
-        started = time.thread_time()  # its CPU time: a pause of this thread (another process ran) is no cost
         try:
-            payload = encode(kv_snapshot_msg(self.config.engine_id, self.model_name, self.engine.kv_snapshot()))
+            payload, interval = take_kv_snapshot(self.engine, self.config.engine_id, self.model_name)
         except Exception:  # the dashboard's picture must never cost the engine its requests
             log.exception("taking the KV snapshot failed")
-            payload = None
-        interval = max(KV_SNAPSHOT_INTERVAL_S, (time.thread_time() - started) / KV_SNAPSHOT_SHARE)
+            payload, interval = None, KV_SNAPSHOT_INTERVAL_S
         self._kv_snapshot_at = now + interval
         if payload is not None:
             self._kv_publishing = asyncio.create_task(self._publish_kv_snapshot(payload, kv_snapshot_ttl_s(interval)))
@@ -584,6 +582,15 @@ class Worker:
             log.warning("leaving %d unfinished requests to other engines", len(self._owned))
         await self.broker.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def take_kv_snapshot(engine: Engine, engine_id: str, model: str) -> tuple[bytes, float]:
+    """The engine's KV snapshot encoded, and the seconds until the next may be taken: KV_SNAPSHOT_INTERVAL_S,
+    or longer when this one's CPU time was over KV_SNAPSHOT_SHARE of that (a pause of this thread while
+    another process ran is no cost of it)."""
+    started = time.thread_time()
+    payload = encode(kv_snapshot_msg(engine_id, model, engine.kv_snapshot()))
+    return payload, max(KV_SNAPSHOT_INTERVAL_S, (time.thread_time() - started) / KV_SNAPSHOT_SHARE)
 
 
 def tune_gc() -> None:

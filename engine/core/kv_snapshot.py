@@ -8,6 +8,7 @@ wire, not a list of per-block maps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -47,8 +48,9 @@ class PoolSnapshot:
 
     def set_owners(self, holders: list[list[int]]) -> None:
         """``holders[i]``: the blocks request i holds in this pool; a block's owner is its first holder."""
-        for index in range(len(holders) - 1, -1, -1):  # backwards: the first holder writes last
-            self.owner[holders[index]] = index
+        blocks = np.fromiter(chain.from_iterable(holders), np.int64)
+        holder = np.repeat(np.arange(len(holders), dtype=np.uint16), [len(h) for h in holders])
+        np.minimum.at(self.owner, blocks, holder)  # over NO_OWNER, the lowest index holding each block
 
 
 @dataclass(slots=True)

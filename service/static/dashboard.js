@@ -181,6 +181,8 @@
     const geometry = view.layouts[id] = layout(canvas, pool.size);
     const ctx = canvas.getContext("2d");
     const bs = snapshot.block_size, line = Math.max(1, Math.floor(geometry.cell / 8));
+    ctx.fillStyle = "#fff";  // dimmed cells fade into it
+    ctx.fillRect(0, 0, canvas.width, canvas.height);
     let used = 0, cached = 0;
     for (let i = 0; i < pool.size; i++) {
       const {x, y, size} = cellBox(geometry, i);
@@ -284,6 +286,7 @@
       const swatch = document.createElement("i");
       swatch.style.background = r.colour.solid;
       row.append(cell(swatch), cell(r.id), cell(r.state), cell(r.num_seqs), cell(r.blocks.length), cell(shared));
+      row.title = r.id;
       return row;
     });
     $("requests").tBodies[0].replaceChildren(...rows);
