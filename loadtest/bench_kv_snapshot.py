@@ -7,8 +7,10 @@ for the whole run: ``ignore_eos``, enough ``max_tokens``). Steps are measured in
 steps, alternately without snapshots and with them taken as a watched worker takes them
 (``service.worker.take_kv_snapshot`` between steps whenever due: at most every 0.5 s, less often when one
 costs more than 0.5% of that), ABBA-ordered so the steps' slow growth with the context cancels. Reported:
-the mean step time of each kind and their ratio, the snapshots' own cost (ms each, CPU), and that cost
-as a share of the measured time with snapshots (the slowdown it implies).
+the mean step time of each kind, wall clock and the process's CPU time (all its threads; on a shared
+machine the wall clock also counts other processes' turns), their ratios (with the standard error over
+the ABBA pairs), the snapshots' own cost (ms of CPU each), and that cost as a share of the wall time
+with snapshots: the slowdown it implies.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
-from service.worker import take_kv_snapshot
+from service.worker import take_kv_snapshot, tune_gc
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -40,18 +42,35 @@ def fill(engine: LLMEngine, args: argparse.Namespace) -> None:
         engine.step()
 
 
-def window(engine: LLMEngine, steps: int, snapshots: bool, costs: list[float]) -> float:
-    """Mean seconds a step over ``steps`` steps, snapshots taken when due counted in."""
-    due = 0.0
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-        if snapshots and time.monotonic() >= due:
+class Watched:
+    """Snapshots as a watched worker takes them: whenever due, its schedule kept across windows."""
+
+    def __init__(self) -> None:
+        self.due = 0.0
+        self.costs: list[float] = []  # CPU seconds of each
+
+    def after_step(self, engine: LLMEngine) -> None:
+        if time.monotonic() >= self.due:
             cpu = time.thread_time()
             _, interval = take_kv_snapshot(engine, "bench", "bench")
-            costs.append(time.thread_time() - cpu)
-            due = time.monotonic() + interval
-    return (time.perf_counter() - started) / steps
+            self.costs.append(time.thread_time() - cpu)
+            self.due = time.monotonic() + interval
+
+
+def window(engine: LLMEngine, steps: int, watched: Watched | None) -> tuple[float, float]:
+    """Mean seconds a step over ``steps`` steps, wall clock and process CPU, snapshots taken when due counted in."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        engine.step()
+        if watched is not None:
+            watched.after_step(engine)
+    return (time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps
+
+
+def ratio(off: list[float], on: list[float]) -> tuple[float, float]:
+    """mean(on) / mean(off), and the standard error of the per-pair ratios."""
+    pairs = [b / a for a, b in zip(off, on)]
+    return statistics.mean(on) / statistics.mean(off), statistics.stdev(pairs) / len(pairs) ** 0.5
 
 
 def main() -> None:
@@ -68,21 +87,24 @@ def main() -> None:
     args.max_tokens = args.rounds * 4 * args.window + 2 * args.window + 8
     engine = build_engine(args)
     fill(engine, args)
-    window(engine, args.window, False, [])  # warm up
-    off, on, costs = [], [], []
+    tune_gc()  # as a worker process does once its engine is loaded
+    window(engine, args.window, None)  # warm up
+    off, on, watched = [], [], Watched()
     for _ in range(args.rounds):
         for snapshots in (False, True, True, False):
-            (on if snapshots else off).append(window(engine, args.window, snapshots, costs))
+            (on if snapshots else off).append(window(engine, args.window, watched if snapshots else None))
+    costs = watched.costs
     assert engine.stats().num_requests_running == args.seqs, "a sequence finished during the measurement"
-    step_off, step_on = statistics.mean(off), statistics.mean(on)
-    snapshot_s = statistics.mean(costs)
+    (wall_off, cpu_off), (wall_on, cpu_on) = zip(*off), zip(*on)
+    wall, wall_error = ratio(wall_off, wall_on)
+    cpu, cpu_error = ratio(cpu_off, cpu_on)
     figures = {
         "seqs": args.seqs, "device": args.device, "num_blocks": engine.stats().num_blocks_total,
         "blocks_used": engine.stats().num_blocks_used, "steps_per_kind": len(off) * args.window,
-        "step_ms_without": 1000 * step_off, "step_ms_with": 1000 * step_on, "ratio": step_on / step_off,
-        "ratio_stdev_of_pairs": statistics.stdev(b / a for a, b in zip(off, on)) if len(off) > 1 else 0.0,
-        "snapshots": len(costs), "snapshot_ms": 1000 * snapshot_s,
-        "snapshot_share": sum(costs) / (step_on * len(on) * args.window),
+        "step_ms_without": 1000 * statistics.mean(wall_off), "step_ms_with": 1000 * statistics.mean(wall_on),
+        "wall_ratio": wall, "wall_ratio_stderr": wall_error, "cpu_ratio": cpu, "cpu_ratio_stderr": cpu_error,
+        "snapshots": len(costs), "snapshot_ms": 1000 * statistics.mean(costs),
+        "snapshot_share": sum(costs) / (statistics.mean(wall_on) * len(on) * args.window),
     }
     for name, value in figures.items():
         print(f"{name:>22}: {value:.4f}" if isinstance(value, float) else f"{name:>22}: {value}")

@@ -524,7 +524,8 @@ class Worker:
             payload, interval = None, KV_SNAPSHOT_INTERVAL_S
         self._kv_snapshot_at = now + interval
         if payload is not None:
-            self._kv_publishing = asyncio.create_task(self._publish_kv_snapshot(payload, kv_snapshot_ttl_s(interval)))
+            ttl_s = kv_snapshot_ttl_s(interval)
+            self._kv_publishing = asyncio.create_task(self._publish_kv_snapshot(payload, ttl_s))
 
     async def _publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
         try:

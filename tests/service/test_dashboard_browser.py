@@ -132,13 +132,17 @@ def test_dashboard_in_a_browser(stack, page) -> None:
     # 16 streams, 8 sequences at most per engine: both engines run some.
     with Load(stack.url, streams=16) as load:
         # Updates while the load runs: requests listed, their blocks drawn, the counters and the chart moving.
-        page.wait_for_function(f"""() => {RUNNING} > 0 && Number(document.getElementById('device-grid').dataset.used) > 0
+        page.wait_for_function(f"""() => {RUNNING} > 0
+            && Number(document.getElementById('device-grid').dataset.used) > 0
             && document.querySelectorAll('#requests tbody tr[data-state="running"]').length > 0""")
         reading = None
         for _ in range(20):  # a request may end between the hover and the reading: hover another
-            rows = page.query_selector_all('#requests tbody tr[data-state="running"]')
-            if rows:
-                rows[0].hover()
+            rows = page.locator('#requests tbody tr[data-state="running"]')  # re-found: the list is redrawn
+            if rows.count():
+                try:
+                    rows.first.hover(timeout=2000)
+                except sync_api.Error:  # that request ended meanwhile
+                    continue
                 reading = page.evaluate(HIGHLIGHT_JS)
             if reading:
                 break
