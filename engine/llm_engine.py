@@ -17,6 +17,7 @@ import torch
 from engine import beam_search
 from engine.async_step import StepPipeline, runs_ahead
 from engine.config import EngineConfig
+from engine.core.kv_snapshot import KVSnapshot
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.distributed.executor import create_executor
@@ -424,6 +425,11 @@ class LLMEngine:
         stats.grammar_mask_seconds_total = self.grammar.mask_seconds
         stats.grammar_mask_steps_total = self.grammar.mask_steps
         return stats
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The KV pools block by block and the requests holding them, with ``stats()`` of the same
+        moment (the dashboard's). Costs a few passes over the blocks: call it between steps, sparingly."""
+        return self.scheduler.kv_snapshot(self.stats())
 
 
 def _new_seqs(prompt: list[int], resume: ResumeState | None) -> list[Sequence]:

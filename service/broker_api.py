@@ -18,6 +18,8 @@ Two implementations keep the same rules: Redis streams, for deployments
 - Gateways know the live engines from their heartbeats; a request whose engine stopped
   beating waits ``resume_deadline_s`` for another engine to resume it, one nobody
   accepted ``accept_deadline_s``, then it fails with a 503.
+- An engine publishes KV snapshots only while a gateway asked for them in the last
+  ``KV_WANTED_S`` (it learns so with each heartbeat); each expires after ``kv_snapshot_ttl_s``.
 """
 from __future__ import annotations
 
@@ -31,6 +33,14 @@ from service.transcript import Transcript
 
 if TYPE_CHECKING:
     from service.limits import Limiter
+
+
+KV_WANTED_S = 5.0  # an engine keeps publishing KV snapshots this long after a gateway last asked
+
+
+def kv_snapshot_ttl_s(interval_s: float) -> float:
+    """How long a published KV snapshot stays readable: a few of the engine's intervals between them."""
+    return max(KV_WANTED_S, 3 * interval_s)
 
 
 class BrokerUnavailable(Exception):
@@ -105,6 +115,8 @@ class GatewayBroker(Protocol):
     async def resume(self, request_id: str) -> Resumed | None: ...
     def release(self, request_id: str) -> None: ...
     def limiter(self, lease_s: float) -> Limiter: ...
+    async def kv_snapshot(self, engine_id: str) -> bytes | None:
+        """The engine's latest KVSnapshotMsg (None: none yet, or expired); asks it for more for ``KV_WANTED_S``."""
 
 
 class WorkerBroker(Protocol):
@@ -116,6 +128,7 @@ class WorkerBroker(Protocol):
     engine_id: str
     incarnation: str  # of this process: a restarted engine keeps its id, not its incarnation
     lost_state: bool  # the broker may have lost this engine's claims (Redis restarted empty): see taken_over
+    kv_wanted: bool  # a gateway asked for this engine's KV snapshots lately (learnt with each heartbeat)
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
@@ -128,6 +141,7 @@ class WorkerBroker(Protocol):
     async def gateways(self) -> dict[str, GatewayBeat]: ...
     async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:
         """Beats; ``prefixes``: the engine's cached block hashes, published for routing where the broker routes."""
+    async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None: ...
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.structured_output import check_structured_output
 
-from service import responses
+from service import dashboard, responses
 from service.assembler import ChoiceUpdate, OutputAssembler
 from service.broker_api import BrokerUnavailable, GatewayBroker, Resumed
 from service.limits import KeyLimits
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
-# Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why.
-_PUBLIC_PATHS = {"/health", "/ready"}
+# Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why. The
+# dashboard's static files hold no data (the page sends the key with each snapshot fetch).
+_PUBLIC_PATHS = {"/health", "/ready", *dashboard.PAGES}
 _API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
 # Keys the tenant HMAC stored with each stream (StreamRecord.tenant): the same on every gateway, so any of
 # them can check a resuming client; API keys are long random secrets, so the digest does not reveal them.
@@ -85,6 +86,9 @@ class Gateway:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/v1/kv_snapshot", self.kv_snapshot)
+        for path in dashboard.PAGES:
+            app.router.add_get(path, self.dashboard_page)
         app.on_startup.append(lambda _: self.broker.start())
         app.on_cleanup.append(self._cleanup)
         return app
@@ -172,6 +176,30 @@ class Gateway:
 
     async def openapi(self, _: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.model_name, self.config))
+
+    async def dashboard_page(self, http: web.Request) -> web.Response:
+        body, content_type = dashboard.page(http.path)
+        return web.Response(body=body, content_type=content_type, headers=dashboard.PAGE_HEADERS)
+
+    async def kv_snapshot(self, http: web.Request) -> web.Response:
+        """An engine's latest KV snapshot (the first live one's unless ``?engine=``); asking is what makes
+        the engine publish them, so the first answer may hold none yet (``snapshot``: null)."""
+        engines = sorted(self._live_engines())
+        if not engines:
+            raise unavailable(f"no live engine serves model {self.model_name!r}", self.config.retry_after_s)
+        engine_id = http.query.get("engine") or engines[0]
+        if engine_id not in engines:
+            raise APIError(404, f"no live engine {engine_id!r} serves model {self.model_name!r}", param="engine",
+                           code="engine_not_found")
+        try:
+            payload = await self.broker.kv_snapshot(engine_id)
+        except BrokerUnavailable as exc:
+            raise unavailable(str(exc), self.config.retry_after_s) from exc
+        snapshot = await self.off_loop(dashboard.snapshot_json, payload, time.time())
+        response = web.json_response({"object": "kv_snapshot", "engines": engines, "engine": engine_id,
+                                      "snapshot": snapshot})
+        response.enable_compression()
+        return response
 
     def _live_engines(self) -> dict[str, Any]:
         return {i: b for i, b in self.broker.engines.items() if b.model == self.model_name}

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import defaultdict, deque
 
-from service.broker_api import Pulled, Reply, RequestHandle, Resumed, read_request, rows_by_gateway
+from service.broker_api import KV_WANTED_S, Pulled, Reply, RequestHandle, Resumed, read_request, rows_by_gateway
 from service.config import GatewayConfig
 from service.limits import MemoryLimiter
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, StreamRecord,
@@ -35,6 +35,8 @@ class MemoryBus:
         self.gateways: dict[str, MemoryGatewayBroker] = {}  # the live ones
         self.progress: dict[str, bytes] = {}  # request id -> Progress
         self.deadletter: list[tuple[str, str]] = []  # (request id, reason)
+        self.kv_wanted: dict[str, float] = {}  # engine id -> monotonic expiry
+        self.kv_snapshots: dict[str, tuple[bytes, float]] = {}  # engine id -> (KVSnapshotMsg, monotonic expiry)
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.limiter: MemoryLimiter | None = None  # the gateways' shared per-key limits, made by the first
         self._entry_ids = itertools.count(1)
@@ -104,6 +106,12 @@ class MemoryGatewayBroker(ReplyRouter):
     async def _read_beats(self) -> dict[str, bytes] | None:
         return self.bus.live_beats()
 
+    async def kv_snapshot(self, engine_id: str) -> bytes | None:
+        now = time.monotonic()
+        self.bus.kv_wanted[engine_id] = now + KV_WANTED_S
+        payload, expiry = self.bus.kv_snapshots.get(engine_id, (None, 0.0))
+        return payload if expiry > now else None
+
 
 class MemoryWorkerBroker:
     """A worker's side; no engine dies in one process, so there is nothing to reclaim."""
@@ -118,6 +126,7 @@ class MemoryWorkerBroker:
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
         self.lost_state = False  # the bus never loses its state
+        self.kv_wanted = False
 
     async def start(self) -> None:
         pass
@@ -164,3 +173,7 @@ class MemoryWorkerBroker:
 
     async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:  # one engine: no routing
         self.bus.beats[self.engine_id] = (encode(beat), time.monotonic() + self._heartbeat_ttl_s)
+        self.kv_wanted = self.bus.kv_wanted.get(self.engine_id, 0.0) > time.monotonic()
+
+    async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
+        self.bus.kv_snapshots[self.engine_id] = (payload, time.monotonic() + ttl_s)

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
 
+from engine.core.kv_snapshot import KVSnapshot, PoolSnapshot
 from engine.outputs import CompletionOutput, TokenLogprobs
 from engine.stats import EngineStats
 
@@ -167,6 +169,52 @@ class Heartbeat:
     block_size: int = 0  # of its prefix cache, whose block hashes it publishes for routing; 0: no prefix caching
 
 
+@dataclass(slots=True)
+class KVSnapshotMsg:
+    """An engine's KV snapshot (``engine.core.kv_snapshot``), published while a dashboard watches. Each pool
+    is a map of per-block arrays as raw little-endian bytes (``POOL_ARRAYS``: name -> dtype), each request
+    ``[request_id, state, num_seqs, block ids as <u4 bytes]``: a few bytes a block, whatever the pool size."""
+
+    engine_id: str
+    model: str
+    time: float
+    block_size: int
+    device: dict[str, bytes]
+    cpu: dict[str, bytes]
+    requests: list[list]
+    stats: EngineStats  # a map of its field names on the wire
+
+
+POOL_ARRAYS = {"state": "<u1", "ref_count": "<u2", "owner": "<u2", "filled": "<u2", "computed": "<u2"}
+
+
+def kv_snapshot_msg(engine_id: str, model: str, snap: KVSnapshot) -> KVSnapshotMsg:
+    return KVSnapshotMsg(engine_id, model, snap.time, snap.block_size, _pool_wire(snap.device),
+                         _pool_wire(snap.cpu), [[r.request_id, r.state, r.num_seqs,
+                                                 np.asarray(r.block_ids, "<u4").tobytes()] for r in snap.requests],
+                         snap.stats)
+
+
+def _pool_wire(pool: PoolSnapshot) -> dict[str, bytes]:
+    return {name: getattr(pool, name).astype(dtype, copy=False).tobytes() for name, dtype in POOL_ARRAYS.items()}
+
+
+def decode_kv_snapshot(payload: bytes) -> KVSnapshotMsg:
+    """The message, each pool's arrays checked to cover the same blocks."""
+    msg = decode(KVSnapshotMsg, payload)
+    for pool in (msg.device, msg.cpu):
+        if not isinstance(pool, dict) or pool.keys() != POOL_ARRAYS.keys():
+            raise SchemaError(f"a KVSnapshotMsg pool is not a map of {sorted(POOL_ARRAYS)}")
+        counts = [len(pool[name]) / np.dtype(dtype).itemsize if isinstance(pool[name], bytes) else -1.0
+                  for name, dtype in POOL_ARRAYS.items()]
+        if len(set(counts)) != 1 or counts[0] < 0 or not counts[0].is_integer():
+            raise SchemaError("a KVSnapshotMsg pool's arrays are not one entry per block")
+    if not all(isinstance(r, list) and len(r) == 4 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
+               for r in msg.requests):
+        raise SchemaError("malformed KVSnapshotMsg requests")
+    return msg
+
+
 # A ReplyBatch event on the wire: ``[request_id, index, kind, choices, finished, num_cached_tokens, error,
 # status, prompt_logprobs]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker builds rows directly
 # (``output_row`` runs per request per step, its hottest line); gateways decode them into ReplyEvents.
@@ -218,7 +266,7 @@ def encode(msg: Any) -> bytes:
     body = _fields(msg)
     if isinstance(msg, ReplyEvent):
         body["choices"] = [_fields(c) for c in msg.choices]
-    elif isinstance(msg, Heartbeat):
+    elif isinstance(msg, (Heartbeat, KVSnapshotMsg)):
         body["stats"] = _fields(msg.stats)
     body["v"] = SCHEMA_VERSION
     return msgpack.packb(body, use_bin_type=True)
@@ -257,7 +305,7 @@ def decode(cls: type[T], payload: bytes) -> T:
     body = _unpack(cls, payload)
     if cls is ReplyEvent:
         body["choices"] = [_from_fields(ChoiceDelta, c) for c in body.get("choices", [])]
-    elif cls is Heartbeat and "stats" in body:
+    elif cls in (Heartbeat, KVSnapshotMsg) and "stats" in body:
         body["stats"] = _from_fields(EngineStats, body["stats"])
     return _from_fields(cls, body)
 

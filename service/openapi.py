@@ -159,6 +159,20 @@ def _get_op(summary: str, content_type: str = "application/json") -> dict[str, A
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}}
 
 
+def _kv_snapshot_op() -> dict[str, Any]:
+    engine = {"name": "engine", "in": "query", "required": False, "schema": {"type": "string"},
+              "description": "a live engine's id (default: the first); the answer lists them"}
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}} for code, text in (
+        ("401", "bad or missing API key"), ("404", "engine_not_found: no such live engine"),
+        ("503", "no live engine, or Redis unavailable (see Retry-After)"))}
+    ok = {"description": "{object, engines, engine, snapshot}: snapshot is the engine's KV pools block by block "
+                         "(arrays as base64 of little-endian bytes), its requests and EngineStats of the same "
+                         "step, or null until the engine publishes one (asking makes it publish for a few seconds)",
+          "content": {"application/json": {}}}
+    return {"get": {"summary": "An engine's KV pool, block by block (the dashboard's)", "parameters": [engine],
+                    "responses": {"200": ok, **errors}}}
+
+
 def _with_server_caps(properties: dict[str, Any], model_name: str, config: GatewayConfig) -> dict[str, Any]:
     """The request fields as this server takes them: its model, and its caps on top of SamplingParams'."""
     capped = {**properties, "model": {"enum": [model_name]}, "n": {**properties["n"], "maximum": config.max_n},
@@ -197,5 +211,8 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
             "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),
             "/metrics": _get_op("Prometheus metrics", "text/plain"),
             "/openapi.json": _get_op("This document"),
+            "/v1/kv_snapshot": _kv_snapshot_op(),
+            "/dashboard": _get_op("The live KV pool dashboard, a page (no API key needed: it asks for one and "
+                                  "sends it with each snapshot fetch)", "text/html"),
         },
     }

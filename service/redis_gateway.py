@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from redis.asyncio.client import Pipeline
 
 from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect
-from service.broker_api import BrokerUnavailable, Resumed
+from service.broker_api import KV_WANTED_S, BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.limits import RedisLimiter
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
@@ -296,6 +296,16 @@ class RedisGatewayBroker(ReplyRouter):
         except BROKER_ERRORS:
             return b"0-0"
         return last[0][0] if last else b"0-0"
+
+    async def kv_snapshot(self, engine_id: str) -> bytes | None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._keys.kv_wanted(engine_id), b"1", px=int(KV_WANTED_S * 1000))
+        pipe.get(self._keys.kv_snapshot(engine_id))
+        try:
+            _, payload = await pipe.execute()
+        except BROKER_ERRORS as exc:
+            raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
+        return payload
 
     # ---- heartbeats -------------------------------------------------------
     async def _read_beats(self) -> dict[str, bytes] | None:

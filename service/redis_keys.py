@@ -23,6 +23,8 @@
   {p}:engines           set of engine ids; {p}:engine:{id} holds the Heartbeat, expiring without beats
   {p}:gateways          set of gateway ids; {p}:gateway:{id} holds the GatewayBeat, expiring likewise
   {p}:limit:{{t}}:*     one tenant's concurrency slots and token bucket (service/limits.py builds the names)
+  {p}:kv_wanted:{id}    set (expiring) by a gateway's /v1/kv_snapshot: a dashboard watches engine {id}
+  {p}:kv:{id}           KVSnapshotMsg, engine {id}'s latest KV snapshot, published while the key above exists
 """
 from __future__ import annotations
 
@@ -83,6 +85,12 @@ class Keys:
 
     def gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}:gateway:{gateway_id}"
+
+    def kv_wanted(self, engine_id: str) -> str:
+        return f"{self.prefix}:kv_wanted:{engine_id}"
+
+    def kv_snapshot(self, engine_id: str) -> str:
+        return f"{self.prefix}:kv:{engine_id}"
 
 
 def consumer_name(engine_id: str, incarnation: str) -> str:

@@ -95,6 +95,7 @@ class RedisWorkerBroker:
         # The beat key was gone (Redis restarted empty, or it expired in a stall): the owner keys of the
         # requests this engine runs may be gone or another engine's; ``taken_over`` settles it.
         self.lost_state = False
+        self.kv_wanted = False
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
@@ -462,10 +463,12 @@ class RedisWorkerBroker:
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
+        pipe.exists(self._keys.kv_wanted(self.engine_id))
         published = self._queue_prefixes(pipe, {h[:PREFIX_KEY_BYTES] for h in prefixes})
         self._published_prefixes = None  # unknown until the pipeline's answer
-        previous, *_ = await pipe.execute()
+        previous, _, wanted, *_ = await pipe.execute()
         self._published_prefixes = published
+        self.kv_wanted = bool(wanted)
         if previous is None:  # the first beat, an expiry, or Redis restarted empty: the set may be gone too
             self.lost_state = True
             self._published_prefixes = None
@@ -483,6 +486,10 @@ class RedisWorkerBroker:
                 command(key, *members[start:start + _SET_CHUNK])
         pipe.pexpire(key, self._heartbeat_ttl_ms)
         return current
+
+    @_unavailable_on_error
+    async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
+        await self._client.set(self._keys.kv_snapshot(self.engine_id), payload, px=int(ttl_s * 1000))
 
 
 def _read_entries(entries: list[Entry]) -> list[Pulled]:

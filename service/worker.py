@@ -23,6 +23,11 @@ SIGTERM drains: no new pulls, in-flight requests finish for up to
 ``drain_timeout_s``, then the heartbeat is deleted so other engines resume the
 rest at once. ``max_failed_steps`` consecutive failed steps end the worker with
 ``EXIT_FAILED_STEPS`` for its supervisor to restart it.
+
+While a dashboard watches this engine (the broker says so with each heartbeat), the worker takes the
+engine's KV snapshot between steps and publishes it: at most every ``KV_SNAPSHOT_INTERVAL_S``, and
+never more often than keeps the time spent taking them under ``KV_SNAPSHOT_SHARE`` of the wall clock
+(a larger pool is sampled less often), so the steps slow by less than that.
 """
 from __future__ import annotations
 
@@ -35,20 +40,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from engine.core.kv_snapshot import KVSnapshot
 from engine.outputs import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
-from service.broker_api import BrokerUnavailable, LaneBroker, Pulled, Reply, RequestHandle, WorkerBroker
+from service.broker_api import (BrokerUnavailable, LaneBroker, Pulled, Reply, RequestHandle, WorkerBroker,
+                                kv_snapshot_ttl_s)
 from service.config import WorkerConfig
-from service.messages import (EventKind, EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, event_row,
-                              output_row)
+from service.messages import (EventKind, EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, encode, event_row,
+                              kv_snapshot_msg, output_row)
 
 log = logging.getLogger(__name__)
 
 _RECENT_ABORTS = 10_000  # ids remembered so a request aborted while queued is never started
 _RETRY_S = 0.5
 EXIT_FAILED_STEPS = 3
+KV_SNAPSHOT_INTERVAL_S = 0.5  # at most 2 Hz
+KV_SNAPSHOT_SHARE = 0.005  # of the wall clock spent taking them, at most
 
 Published = list[Reply]
 
@@ -74,6 +83,8 @@ class Engine(Protocol):
     def has_capacity(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def kv_snapshot(self) -> KVSnapshot: ...
 
 
 @dataclass(slots=True)
@@ -116,6 +127,8 @@ class Worker:
         self._stats_time = 0.0
         self._prefixes: tuple[int, set[bytes]] = engine.prefix_cache_summary()  # (block size, hashes)
         self._prefixes_time = 0.0
+        self._kv_snapshot_at = 0.0  # monotonic: the next KV snapshot is due then
+        self._kv_publishing: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
         self._outbox: Published = []
         self._outbox_failing_since: float | None = None
@@ -180,6 +193,8 @@ class Worker:
         await self._publish_later(resent + events, dropped,
                                   for_lane=self.engine.has_unfinished_requests() and self._lane_ready())
         self._refresh_stats()
+        if self.broker.kv_wanted:
+            self._take_kv_snapshot()
 
     def _lane_ready(self) -> bool:
         return self._lane is not None and self._lane.lane_ready()
@@ -503,6 +518,27 @@ class Worker:
         if now - self._prefixes_time >= self.config.heartbeat_interval_s:  # a copy of the hash set: once a beat
             self._prefixes, self._prefixes_time = self.engine.prefix_cache_summary(), now
 
+    def _take_kv_snapshot(self) -> None:
+        """Between steps, on the loop thread, when due and the last one has gone out; published meanwhile."""
+        now = time.monotonic()
+        if now < self._kv_snapshot_at or (self._kv_publishing is not None and not self._kv_publishing.done()):
+            return
+        try:
+            payload, interval = take_kv_snapshot(self.engine, self.config.engine_id, self.model_name)
+        except Exception:  # the dashboard's picture must never cost the engine its requests
+            log.exception("taking the KV snapshot failed")
+            payload, interval = None, KV_SNAPSHOT_INTERVAL_S
+        self._kv_snapshot_at = now + interval
+        if payload is not None:
+            ttl_s = kv_snapshot_ttl_s(interval)
+            self._kv_publishing = asyncio.create_task(self._publish_kv_snapshot(payload, ttl_s))
+
+    async def _publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
+        try:
+            await self.broker.publish_kv_snapshot(payload, ttl_s)
+        except BrokerUnavailable as exc:
+            log.debug("publishing the KV snapshot failed: %s", exc)
+
     def _row(self, handle: RequestHandle, kind: EventKind, **fields: Any) -> EventRow:
         return event_row(handle.request_id, ReplyEvent(kind, self.config.engine_id, self.incarnation, **fields))
 
@@ -548,10 +584,21 @@ class Worker:
         await self._publish_later([])
         if self._publishing is not None:
             await self._publishing
+        if self._kv_publishing is not None:
+            await self._kv_publishing
         if self._owned:
             log.warning("leaving %d unfinished requests to other engines", len(self._owned))
         await self.broker.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def take_kv_snapshot(engine: Engine, engine_id: str, model: str) -> tuple[bytes, float]:
+    """The engine's KV snapshot encoded, and the seconds until the next may be taken: KV_SNAPSHOT_INTERVAL_S,
+    or longer when this one's CPU time was over KV_SNAPSHOT_SHARE of that (a pause of this thread while
+    another process ran is no cost of it)."""
+    started = time.thread_time()
+    payload = encode(kv_snapshot_msg(engine_id, model, engine.kv_snapshot()))
+    return payload, max(KV_SNAPSHOT_INTERVAL_S, (time.thread_time() - started) / KV_SNAPSHOT_SHARE)
 
 
 def tune_gc() -> None:

@@ -34,8 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from engine.baselines.buddy import BuddyAllocator, order_of
 from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
+from engine.core.kv_snapshot import USED, PoolSnapshot, PoolsSnapshot
 
 if TYPE_CHECKING:
     from engine.core.block_pool import Block
@@ -198,3 +201,19 @@ class ContiguousKVCacheManager:
             num_internal_frag_slots=used * bs - self._sum_reserved, num_external_frag_slots=external,
             num_free_slots=arena.num_free_blocks * bs - external,
             usage=used / arena.num_blocks if arena.num_blocks else 0.0)
+
+    def snapshot(self, owners: list[list[int]]) -> PoolsSnapshot:
+        """The arena block by block: each run's blocks held once, filled from its start (the blocks past
+        what the sequence claimed so far are its reservation: held, empty)."""
+        device, bs = PoolSnapshot.empty(self.num_blocks), self.block_size
+        for run in self.tables.values():
+            span = slice(run.start, run.start + (1 << run.order))
+            starts = np.arange(1 << run.order) * bs
+            device.state[span], device.ref_count[span] = USED, 1
+            device.filled[span] = np.clip(run.num_slots - starts, 0, bs)
+            device.computed[span] = np.clip(run.num_computed - starts, 0, bs)
+        blocks = [[b for s in seq_ids if s in self.tables
+                   for b in range(self.tables[s].start, self.tables[s].start + (1 << self.tables[s].order))]
+                  for seq_ids in owners]
+        device.set_owners(blocks)
+        return PoolsSnapshot(device, PoolSnapshot.empty(0), blocks)

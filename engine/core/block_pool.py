@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+
+from engine.core.kv_snapshot import CACHED, COW, FREE, NO_OWNER, SHARED, USED, PoolSnapshot
 
 
 @dataclass(slots=True, eq=False)
@@ -121,3 +126,17 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Free block ids in reuse order (front first)."""
         return list(self._free)
+
+    def snapshot(self) -> PoolSnapshot:
+        """Every block's state, ref count and fill; the owners are left to the cache manager (it knows
+        the tables). Three passes over the blocks in C (map, fromiter): ~0.1 us a block."""
+        n, blocks = self.num_blocks, self.blocks
+        ref, filled, computed = (np.fromiter(map(attrgetter(name), blocks), np.int64, n)
+                                 for name in ("ref_count", "num_slots", "num_computed"))
+        shared = np.where(filled < self.block_size, COW, SHARED)
+        state = np.where(ref == 0, FREE, np.where(ref > 1, shared, USED)).astype(np.uint8)
+        state[[b.block_id for b in self._cached.values() if not b.ref_count]] = CACHED
+        empty = state == FREE  # a freed block keeps its last counts until reused
+        filled[empty] = computed[empty] = 0
+        return PoolSnapshot(state, np.minimum(ref, 0xFFFF).astype(np.uint16), np.full(n, NO_OWNER, np.uint16),
+                            filled.astype(np.uint16), computed.astype(np.uint16))

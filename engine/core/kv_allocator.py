@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.core.block_pool import Block
+from engine.core.kv_snapshot import PoolsSnapshot
 
 
 def cdiv(a: int, b: int) -> int:
@@ -99,3 +100,4 @@ class KVAllocator(Protocol):
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]: ...
     def stats(self) -> KVCacheStats: ...
     def cached_block_hashes(self) -> set[bytes]: ...  # every block a new prompt could hit now
+    def snapshot(self, owners: list[list[int]]) -> PoolsSnapshot: ...

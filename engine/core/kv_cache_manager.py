@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import Block, BlockPool
 from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
+from engine.core.kv_snapshot import PoolsSnapshot
 from engine.core.prefix_hash import ROOT_HASH, hash_block
 
 
@@ -291,3 +292,16 @@ class KVCacheManager:
             num_internal_frag_slots=used * bs - dev.num_used_slots, num_external_frag_slots=0,
             num_free_slots=dev.num_free_blocks * bs, usage=used / dev.num_blocks if dev.num_blocks else 0.0,
             num_window_released_blocks=self.num_released_blocks)
+
+    def snapshot(self, owners: list[list[int]]) -> PoolsSnapshot:
+        """Both pools block by block; ``owners[i]`` the sequence ids of owner i (a request), whose blocks
+        are listed and who owns each block it holds first."""
+        device, cpu = self.device_pool.snapshot(), self.cpu_pool.snapshot()
+        blocks, on_cpu = [], []
+        for seq_ids in owners:
+            tables = [self.tables[s] for s in seq_ids if s in self.tables]
+            blocks.append(list(dict.fromkeys(b.block_id for t in tables for b in t.held())))
+            on_cpu.append(any(t.on_cpu for t in tables))  # a group is swapped whole
+        device.set_owners([[] if c else ids for ids, c in zip(blocks, on_cpu)])
+        cpu.set_owners([ids if c else [] for ids, c in zip(blocks, on_cpu)])
+        return PoolsSnapshot(device, cpu, blocks)

@@ -38,13 +38,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable, Set
+from itertools import islice
 
 from engine import beam_search
 from engine.baselines import ContiguousKVCacheManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_snapshot import NO_OWNER, KVSnapshot, SnapshotRequest
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.sampler import SamplerOutput
@@ -57,6 +60,7 @@ RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
 _NEW_STATUSES = (WAITING, SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
+MAX_WAITING_LISTED = 256  # waiting requests a KV snapshot lists (they hold no blocks; the stats count them all)
 
 
 def _pending_forks(group: SequenceGroup) -> int:
@@ -620,6 +624,17 @@ class Scheduler:
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
             num_window_released_blocks_total=kv.num_window_released_blocks)
+
+    def kv_snapshot(self, stats: EngineStats) -> KVSnapshot:
+        """The KV pools block by block, the requests holding blocks (running, swapped) and the first
+        waiting ones, with ``stats`` taken at the same moment (between steps)."""
+        listed = ([(g, "running") for g in self.running.values()] + [(g, "swapped") for g in self.swapped]
+                  + [(g, "waiting") for g in islice(self.waiting, MAX_WAITING_LISTED)])[:NO_OWNER]
+        seq_ids = [[s.seq_id for s in g.unfinished_seqs()] for g, _ in listed]
+        pools = self.kv.snapshot(seq_ids)
+        requests = [SnapshotRequest(g.request_id, state, len(ids), blocks)
+                    for (g, state), ids, blocks in zip(listed, seq_ids, pools.blocks)]
+        return KVSnapshot(time.time(), self.kv.block_size, pools.device, pools.cpu, requests, stats)
 
 
 def _insert(queue: deque[SequenceGroup], group: SequenceGroup) -> None:

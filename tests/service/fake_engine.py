@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from engine.core.kv_snapshot import USED, KVSnapshot, PoolSnapshot, SnapshotRequest
 from engine.outputs import CompletionOutput, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -20,8 +21,10 @@ class FakeEngine:
 
     max_model_len = 2048
 
-    def __init__(self, step_s: float = 0.0, faults: bool = True) -> None:
+    def __init__(self, step_s: float = 0.0, faults: bool = True, snapshot_s: float = 0.0) -> None:
         self.step_s = step_s  # each step sleeps this long (on the worker's step thread)
+        self.snapshot_s = snapshot_s  # each KV snapshot takes this much CPU time
+        self.num_snapshots = 0
         self.faults = faults  # the BOOM_* / FAIL_ON_STEP prompts fail (off: every prompt is served)
         self.requests: dict[str, list] = {}
         self.added: list[str] = []
@@ -79,3 +82,17 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return engine_stats(num_requests_running=len(self.requests))
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """A pool of 16 blocks of 4 slots: request i holds block i, filled with its token count."""
+        busy_until = time.thread_time() + self.snapshot_s
+        while time.thread_time() < busy_until:
+            pass
+        self.num_snapshots += 1
+        pool = PoolSnapshot.empty(16)
+        requests = []
+        for i, (request_id, (_, done)) in enumerate(list(self.requests.items())[:16]):
+            pool.state[i], pool.ref_count[i], pool.filled[i] = USED, 1, min(done, 4)
+            requests.append(SnapshotRequest(request_id, "running", 1, [i]))
+        pool.set_owners([r.block_ids for r in requests])
+        return KVSnapshot(time.time(), 4, pool, PoolSnapshot.empty(0), requests, self.stats())
