@@ -4,8 +4,8 @@ the top k run, their outputs summed under the routing weights: one ``fused_moe``
 (grouped GEMMs, cuda_ext/csrc/cpu/moe.cpp).
 
 Tensor parallelism shards every expert's intermediate size (gate|up column-parallel, down row-parallel, one
-all-reduce), like a dense MLP's; the router and the shared expert's gate are replicated. Experts stay
-unquantized when the dense layers are quantized."""
+all-reduce), like a dense MLP's; the router and the shared expert's gate are replicated. The experts and the
+router stay unquantized when the dense layers are quantized."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +40,8 @@ class Routing:
 
 
 class Router(Linear):
-    """A replicated linear layer that stays unquantized: its scores pick the experts (and gate the shared one)."""
+    """A replicated linear layer that stays unquantized: its scores pick the experts (transformers keeps it a
+    plain weight, not a linear layer, so its quantization tooling skips it too)."""
 
     quantizable = False
 
@@ -85,7 +86,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(routing.num_experts, cfg.hidden_size, cfg.hf[intermediate_field],
                                     intermediate_field, tp)
         self.shared_expert = LlamaMLP(cfg, tp, intermediate=shared_intermediate) if shared_intermediate else None
-        self.shared_expert_gate = Router(cfg.hidden_size, 1) if shared_intermediate else None
+        # A linear layer in transformers, replicated here: quantized with the dense layers.
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing.route(self.gate(x))

@@ -183,6 +183,10 @@ def test_shard_arithmetic():
     assert head.weight.shape == (76, 128) and head.checkpoint_shard("weight", None) == Shard(0, 301, 228, 73)
     with pytest.raises(ValueError, match="neither a divisor nor a multiple of num_key_value_heads=3"):
         tp.kv_heads(3)
+    experts = FusedExperts(4, 128, 256, "moe_intermediate_size", tp)  # every expert, a quarter of each
+    assert experts.w13.shape == (4, 2 * 64, 128) and experts.w2.shape == (4, 128, 64)
+    assert experts.checkpoint_shard("w13", (2, 1)) == Shard(0, 256, 192, 64, 64, select=2)  # expert 2's up rows
+    assert experts.checkpoint_shard("w2", (1, 0)) == Shard(1, 256, 192, 64, select=1)
 
 
 def test_plan_round_trip():
