@@ -4,9 +4,10 @@
 // group through its down projection; each token's k outputs are summed, weighted, in fp32 and rounded once.
 //
 // ATen ops only, so the one function serves CPU and CUDA tensors. On the CPU the pairs are counting-sorted here
-// and each GEMM runs on torch's threads; on CUDA they are sorted on the device and the group sizes read back to
+// and the groups' GEMMs spread over torch's threads (grouped_mm); on CUDA they are sorted on the device and the group sizes read back to
 // the host (one sync per call, which keeps MoE models out of CUDA graph capture: engine/models/moe.py).
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -67,15 +68,27 @@ std::pair<at::Tensor, std::vector<int64_t>> group_by_expert(const at::Tensor& to
   return {order, std::move(offsets)};
 }
 
-// out's rows of each group = x's rows of the group @ weights[e].T: one GEMM per expert that has tokens.
+// out's rows of each group = x's rows of the group @ weights[e].T: one GEMM per expert that has tokens. On the
+// CPU the groups run side by side, one GEMM per thread in a single OpenMP region (the BLAS runs single-threaded
+// inside it): a multi-threaded GEMM per group would be a region per group, each one waiting at its barrier
+// for the slowest thread, which on a loaded machine (measured: 2 threads on 2 busy cores) costs more than the
+// GEMMs.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const std::vector<int64_t>& offsets) {
   at::Tensor out = at::empty({x.size(0), weights.size(1)}, x.options());
-  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const int64_t rows = offsets[e + 1] - offsets[e];
-    if (rows == 0) continue;
-    at::Tensor group = out.narrow(0, offsets[e], rows);
-    at::mm_out(group, x.narrow(0, offsets[e], rows), weights[e].t());
-  }
+  std::vector<int64_t> hit;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    if (offsets[e + 1] > offsets[e]) hit.push_back(static_cast<int64_t>(e));
+  const auto gemm = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = hit[i], rows = offsets[e + 1] - offsets[e];
+      at::Tensor group = out.narrow(0, offsets[e], rows);
+      at::mm_out(group, x.narrow(0, offsets[e], rows), weights[e].t());
+    }
+  };
+  if (x.is_cuda())
+    gemm(0, static_cast<int64_t>(hit.size()));
+  else
+    at::parallel_for(0, static_cast<int64_t>(hit.size()), 1, gemm);
   return out;
 }
 
