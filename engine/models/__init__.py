@@ -13,7 +13,7 @@ from engine.models.opt import OPTForCausalLM
 
 
 _MOE_TP = "tp shards each expert's intermediate size"
-_MOE_QUANTIZED = "int8, w8a8, fp8: attention, dense and shared-expert layers (experts, routers stay unquantized)"
+_MOE_QUANTIZED = "int8, w8a8, fp8 (experts, router: unquantized)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="`sliding_window`, every layer",
                 moe="softmax, top-k renormalised; " + _MOE_TP, quantized_weights=_MOE_QUANTIZED),
     ModelFamily("Qwen2-MoE (Qwen1.5-MoE)", {"Qwen2MoeForCausalLM": Qwen2MoeForCausalLM},
-                sliding_window="`layer_types` (`use_sliding_window`)",
+                sliding_window="`layer_types`, else `use_sliding_window` from `max_window_layers` on",
                 moe="softmax, top-k (`norm_topk_prob`), sigmoid-gated shared expert; " + _MOE_TP,
                 quantized_weights=_MOE_QUANTIZED),
     ModelFamily("Qwen3-MoE", {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM},
