@@ -66,6 +66,8 @@ class FusedExperts(nn.Module):
     def checkpoint_shard(self, param: str, part: tuple[int, int]) -> Shard:
         """Expert ``part[0]``'s gate (part[1] 0) or up (1) rows of w13, or its columns of w2: this rank's slice."""
         expert, index = part
+        if not 0 <= expert < self.w13.shape[0]:
+            raise ValueError(f"checkpoint holds expert {expert}; config.json gives {self.w13.shape[0]} experts")
         start = self.tp.rank * self.local
         if param == "w13":
             return Shard(0, self.local * self.tp.size, start, self.local, index * self.local, select=expert)

@@ -55,7 +55,8 @@ def test_reference_matches_dense_formula(tokens, experts, k):
 ])
 def test_matches_reference(ext_ops, device, dtype, tokens, experts, k, idle):
     inputs = moe_inputs(tokens, experts, k, seed=tokens * experts + k, dtype=dtype, device=device, idle=idle)
-    got = ext_ops.fused_moe(*inputs)
+    with torch.inference_mode():  # as the engine runs it (the op's threads must see the mode too)
+        got = ext_ops.fused_moe(*inputs)
     want = reference.fused_moe(*inputs)
     assert got.dtype == dtype and got.shape == (tokens, HIDDEN)
     # fp32: the GEMMs' sum order; bf16: their inputs rounded at the same points, the sums one rounding apart.

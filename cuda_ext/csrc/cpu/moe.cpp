@@ -8,6 +8,7 @@
 // the host (one sync per call, which keeps MoE models out of CUDA graph capture: engine/models/moe.py).
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -78,7 +79,9 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const std:
   std::vector<int64_t> hit;
   for (size_t e = 0; e + 1 < offsets.size(); ++e)
     if (offsets[e + 1] > offsets[e]) hit.push_back(static_cast<int64_t>(e));
+  const at::ThreadLocalState caller;  // inference mode: the OpenMP threads write inference tensors too
   const auto gemm = [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard as_caller(caller);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = hit[i], rows = offsets[e + 1] - offsets[e];
       at::Tensor group = out.narrow(0, offsets[e], rows);
