@@ -158,6 +158,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k experts, summed under their routing weights: hidden [T, H], w13 [E, 2 * I, H] (each
+    expert's gate rows, then its up rows), w2 [E, H, I], topk_ids int64 [T, k], topk_weights [T, k]. Expert e
+    maps x to silu_and_mul(x @ w13[e].T) @ w2[e].T in hidden's dtype; the weighted sum is fp32, rounded once."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for e, weight in zip(topk_ids[t].tolist(), topk_weights[t].float()):
+            y = silu_and_mul(hidden[t:t + 1] @ w13[e].t()) @ w2[e].t()
+            out[t] += weight * y[0].float()
+    return out.to(hidden.dtype)
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum of x [rows, n] (the first one; a NaN counts as the maximum), int64."""
     return x.argmax(dim=-1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -20,6 +22,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models import model_class
 from engine.models.config import ModelConfig
+from engine.models.moe import FusedExperts
 from engine.quantization import quant_config
 
 
@@ -49,7 +52,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
     return model.eval()
 
 
-_FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, ActAndMul)
+_FUSED_OP_LAYERS = (RMSNorm, RotaryEmbedding, ActAndMul, FusedExperts)
+# One MoE expert's tensor in the per-expert layout checkpoints use: (experts module, expert, projection, tensor).
+_EXPERT_TENSOR = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.(\w+)")
 
 
 def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
@@ -73,13 +78,14 @@ def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
 def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[str]:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    packed = getattr(model, "packed_modules", {})
+    names = _Names(params, getattr(model, "packed_modules", {}), getattr(model, "checkpoint_renames", {}),
+                   getattr(model, "expert_parts", {}))
     loaded: set[str] = set()
     with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = _target_name(name, params, packed)
+                    target = names.target(name)
                     if target is not None:
                         _copy_weight(target, f.get_slice(name), params, modules, name)
                         loaded.add(target[0])
@@ -95,21 +101,52 @@ def _count_tensors(files: list[str]) -> int:
     return total
 
 
-def _target_name(name: str, params: dict, packed: dict) -> tuple[str, int | None] | None:
-    """Checkpoint name -> (parameter name, shard index or None); None = not ours (e.g. rotary buffers)."""
-    for candidate in (name, "model." + name):
-        for part, (fused, shard) in packed.items():
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """Checkpoint names -> the model's parameters: the model class's ``checkpoint_renames`` first, then its
+    ``packed_modules`` (parts of a fused layer) and ``expert_parts`` (MoE experts stacked in one parameter)."""
+
+    params: dict
+    packed: dict[str, tuple[str, int]]
+    renames: dict[str, str]
+    experts: dict[str, tuple[str, int]]
+
+    def target(self, name: str) -> tuple[str, int | tuple[int, int] | None] | None:
+        """(parameter name, its part: a shard index, (expert, shard index) or None); None = not ours (e.g. rotary
+        buffers)."""
+        for candidate in (name, "model." + name):
+            for old, new in self.renames.items():
+                candidate = candidate.replace(old, new)
+            found = self._expert(candidate, name) or self._packed(candidate)
+            if found is not None:
+                return found
+            if candidate in self.params:
+                return candidate, None
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
+
+    def _packed(self, candidate: str) -> tuple[str, int] | None:
+        for part, (fused, shard) in self.packed.items():
             fused_name = candidate.replace(f".{part}.", f".{fused}.")
-            if fused_name != candidate and fused_name in params:
+            if fused_name != candidate and fused_name in self.params:
                 return fused_name, shard
-        if candidate in params:
-            return candidate, None
-    if name.endswith("rotary_emb.inv_freq"):
         return None
-    raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
+
+    def _expert(self, candidate: str, name: str) -> tuple[str, tuple[int, int]] | None:
+        match = _EXPERT_TENSOR.fullmatch(candidate)
+        if match is None or match[3] not in self.experts:
+            return None
+        stacked, shard = self.experts[match[3]]
+        if f"{match[1]}.{stacked}" not in self.params:
+            return None
+        if match[4] != "weight":
+            raise ValueError(f"checkpoint tensor {name!r}: quantized or biased MoE experts are not supported (the "
+                             "experts run unquantized in the model's dtype; dense layers may be quantized)")
+        return f"{match[1]}.{stacked}", (int(match[2]), shard)
 
 
-def _copy_weight(target: tuple[str, int | None], src, params: dict, modules: dict, name: str) -> None:
+def _copy_weight(target: tuple[str, int | tuple[int, int] | None], src, params: dict, modules: dict, name: str) -> None:
     """Copy this rank's part of checkpoint tensor ``name`` (a safetensors slice: nothing else is read): one
     shard, or one per part where the checkpoint stores a fused layer's parts stacked (``fused_checkpoint_shards``)."""
     param_name, part = target
@@ -128,6 +165,8 @@ def _copy_shard(shard: Shard | None, src, dest: torch.Tensor, module: nn.Module,
     if shard is None:
         expected, index = list(dest.shape), slice(None)
     else:
+        if shard.select is not None:
+            dest = dest[shard.select]
         dest = dest.narrow(shard.dim, shard.dest_start, shard.size)
         expected = [shard.total if d == shard.dim else n for d, n in enumerate(dest.shape)]
         index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)

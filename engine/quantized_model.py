@@ -18,12 +18,13 @@ logger = logging.getLogger(__name__)
 
 def prepare(model: nn.Module, quant: QuantConfig | None) -> dict[str, Linear]:
     """The layers ``quant`` quantizes, by module name (none without it); for a quantized checkpoint each gets
-    room for its q and scales. A checkpoint's LM head tied to the embedding stays as the embedding is."""
+    room for its q and scales. A checkpoint's LM head tied to the embedding stays as the embedding is, and so
+    do layers marked not ``quantizable`` (MoE routers)."""
     if quant is None:
         return {}
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
-    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, Linear)
+    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, Linear) and layer.quantizable
               and not quant.ignores(checkpoint_modules(name, packed))
               and not (quant.in_checkpoint and uses[id(layer.weight)] > 1)}
     for layer in layers.values():

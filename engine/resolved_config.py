@@ -35,7 +35,8 @@ class ResolvedConfig:
     kv_cache_dtype: KVCacheDtype
     kv_bytes_per_token: int  # one token's K/V (and scales) in this rank's pool, all layers
     # Decode-only steps replay CUDA graphs: on CUDA, compiled kernels (the reference ones read lengths on the
-    # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager.
+    # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager or the model
+    # syncs with the host inside its forward (MoE: fused_moe sizes its expert groups there).
     decode_graphs: bool = False
 
 
@@ -67,7 +68,7 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
                                          max_model_len=max_model_len, sliding_window=model_config.kv_window)
     decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
-                     and tp.size == 1)
+                     and tp.size == 1 and getattr(model, "graph_capturable", True))
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
                               config.show_progress, kv_dtype, token_bytes, decode_graphs)
     return resolved, model

@@ -43,7 +43,7 @@ def row(family: ModelFamily, tested: dict[str, list[str]], benchmarked: dict[str
     names = [name for arch in family.classes for name in tested.get(arch, [])]
     shown = ", ".join(f"`{name}` ({parameters(ARCH_CONFIGS[name]())})" for name in names) or "no"
     tp = "tp=2, tested" if set(names) & set(TP_ARCHS) else "yes, untested" if family.tensor_parallel else "no"
-    quantized = quantization(names)
+    quantized = quantization(names) + (f"; {family.unquantized}: unquantized" if family.unquantized else "")
     shapes = ", ".join(name for arch in family.classes for name in benchmarked.get(arch, [])) or "-"
     archs = ", ".join(f"`{arch}`" for arch in family.classes)
     return (f"| {family.name} | {archs} | {family.sliding_window or '-'} | {family.moe or '-'} | {shown} | {tp} "

@@ -68,5 +68,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    int64_t max_query_len, int64_t max_seq_len, double eps, double scale,
                                    int64_t sliding_window, const c10::optional<at::Tensor>& key_scale,
                                    const c10::optional<at::Tensor>& value_scale);
+// Sparse MoE experts as grouped GEMMs (cpu/moe.cpp): ATen ops only, registered for CPU and CUDA alike.
+at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_ids, const at::Tensor& topk_weights);
 
 }  // namespace pagedserve

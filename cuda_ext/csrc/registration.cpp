@@ -31,6 +31,8 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
         "float eps, float scale, int sliding_window=0, Tensor(d!)? key_scale=None, Tensor(e!)? value_scale=None) "
         "-> Tensor");
+  // Each token's top-k experts' SiLU-gated MLPs, summed under their routing weights (cpu/moe.cpp).
+  m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
@@ -62,6 +64,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("apply_token_bitmask", &pagedserve::apply_token_bitmask_cpu);
   m.impl("masked_row_argmax", &pagedserve::masked_row_argmax_cpu);
   m.impl("llama_decoder_layer", &pagedserve::llama_decoder_layer_cpu);
+  m.impl("fused_moe", &pagedserve::fused_moe);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
   m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);

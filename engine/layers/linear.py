@@ -18,13 +18,14 @@ from engine.quantization import QuantMethod, dequantize, quantize, quantized_lin
 class Shard:
     """This rank's part of one checkpoint tensor, ``total`` long along ``dim``: ``[start, start + size)``,
     copied into the parameter at ``[dest_start, dest_start + size)`` along the same dim (the loader reads only
-    that slice)."""
+    that slice); of the parameter's entry ``select`` along its first dim where it stacks tensors (MoE experts)."""
 
     dim: int
     total: int
     start: int
     size: int
     dest_start: int = 0
+    select: int | None = None
 
 
 _QUANTIZED = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # safetensors' names of the quantized dtypes
@@ -37,6 +38,7 @@ class Linear(nn.Linear):
     [out_features, 1] scales; otherwise ``weight_scale`` is None."""
 
     packed: PackedLinear | None = None
+    quantizable = True  # False: kept in the model's dtype whatever the quantization (an MoE router)
     quantize_activations = False  # W8A8 (engine/quantized_model.py sets it): x quantized per row to int8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:

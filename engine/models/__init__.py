@@ -8,7 +8,12 @@ from torch import nn
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.opt import OPTForCausalLM
+
+
+_MOE_TP = "tp shards each expert's intermediate size"
+_MOE_UNQUANTIZED = "experts, router"
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +23,7 @@ class ModelFamily:
     sliding_window: str = ""  # how the family's windows are laid out; "" = none
     moe: str = ""  # how experts are routed and sharded; "" = dense
     tensor_parallel: bool = True
+    unquantized: str = ""  # layers --quantization leaves as they are (and a checkpoint may not quantize)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -34,6 +40,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="alternating local / global layers"),
     ModelFamily("Gemma 3 (text)", {"Gemma3ForCausalLM": Gemma3ForCausalLM},
                 sliding_window="5 local : 1 global (`layer_types`)"),
+    ModelFamily("Mixtral", {"MixtralForCausalLM": MixtralForCausalLM},
+                sliding_window="`sliding_window`, every layer",
+                moe="softmax, top-k renormalised; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("Qwen2-MoE (Qwen1.5-MoE)", {"Qwen2MoeForCausalLM": Qwen2MoeForCausalLM},
+                sliding_window="`layer_types`, else `use_sliding_window` from `max_window_layers` on",
+                moe="softmax, top-k (`norm_topk_prob`), sigmoid-gated shared expert; " + _MOE_TP,
+                unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("Qwen3-MoE", {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM},
+                sliding_window="`use_sliding_window` from `max_window_layers` on",
+                moe="softmax, top-k (`norm_topk_prob`), dense `mlp_only_layers`; " + _MOE_TP,
+                unquantized=_MOE_UNQUANTIZED),
     ModelFamily("OPT", {"OPTForCausalLM": OPTForCausalLM}),
 )
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: cls for family in FAMILIES for arch, cls in family.classes.items()}

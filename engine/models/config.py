@@ -67,7 +67,7 @@ def _layer_windows(path: str, hf: dict) -> tuple[int, ...]:
     else Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on, else Gemma's every-n-th-layer
     global pattern, else ``sliding_window`` on every layer (Mistral)."""
     window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
-    if window is None:
+    if window is None or window == 0:  # transformers writes 0 for a Qwen2-MoE without use_sliding_window
         return (0,) * layers
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise ValueError(f"{path}/config.json: sliding_window must be a positive integer or null, got {window!r}")

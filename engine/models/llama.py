@@ -54,9 +54,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, act: type[ActAndMul] = SiluAndMul) -> None:
+    """``intermediate`` defaults to config.json's intermediate_size (MoE families pass their shared expert's)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, act: type[ActAndMul] = SiluAndMul,
+                 intermediate: int | None = None) -> None:
         super().__init__()
-        inter, bias = cfg.hf["intermediate_size"], cfg.hf.get("mlp_bias", False)
+        inter, bias = intermediate or cfg.hf["intermediate_size"], cfg.hf.get("mlp_bias", False)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
         self.act = act()
@@ -91,15 +94,18 @@ class FusedLayer:
 
 
 class LlamaDecoderLayer(nn.Module):
+    """``mlp``: the gated MLP, or an MoE family's sparse block (engine/models/moe.py)."""
+
     fused: FusedLayer | None = None
 
-    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
+                 mlp: nn.Module) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp
 
     def forward(self, rope: RopeStep, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +123,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU), unquantized or W8A8, on one rank (a row-parallel layer needs its all-reduce)."""
+        packed (CPU), unquantized or W8A8, on one rank (a row-parallel layer needs its all-reduce); a sparse MoE
+        layer stays unfused (the compiled layer runs the gated MLP only)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         # The compiled layer takes plain packed weights, or W8A8 ones (``col_offset``); a weight-only int8 one
         # keeps the layer unfused.
@@ -141,12 +150,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """``mlp(layer)``: that layer's MLP."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp, mlp(i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -166,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     tied_by_default = False  # tie_word_embeddings where config.json omits it
     rope_aliases: dict[str, str] = {}  # legacy rope types the family's configs use for another one
+    checkpoint_renames: dict[str, str] = {}  # checkpoint name part -> the engine's, before any other mapping
+    expert_parts: dict[str, tuple[str, int]] = {}  # an MoE expert's projection -> (stacked parameter, part)
+    graph_capturable = True  # False: decode steps run eagerly on CUDA too (a host sync inside the forward)
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
@@ -178,8 +193,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{cfg.architecture}: unsupported hidden_act {cfg.hf['hidden_act']!r} (only silu)")
         rope = rope_config(cfg.hf, cfg.head_dim, cfg.max_position_embeddings, self.rope_aliases)
         rotary = RotaryEmbedding(rope, device, dtype)
-        qkv_bias = self.qkv_bias or cfg.hf.get("attention_bias", False)
-        return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp)
+        qkv_bias = cfg.hf.get("qkv_bias", self.qkv_bias) or cfg.hf.get("attention_bias", False)
+        return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp, lambda layer: self.build_mlp(cfg, layer, tp))
+
+    def build_mlp(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
+        return LlamaMLP(cfg, tp)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

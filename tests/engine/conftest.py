@@ -68,6 +68,21 @@ ARCH_CONFIGS = {
                                                  original_max_position_embeddings=128,
                                                  rope_parameters=longrope_parameters(48, partial_rotary_factor=0.75),
                                                  tie_word_embeddings=True),
+    # MoE: 8 experts per sparse layer, their routers random so tokens spread over all of them. Mixtral: top-2
+    # renormalised, a sliding window on every layer.
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=1, intermediate_size=64,
+                                                  num_local_experts=8, num_experts_per_tok=2, sliding_window=12,
+                                                  tie_word_embeddings=False),
+    # Qwen2-MoE: top-2 not renormalised (norm_topk_prob false, as its checkpoints), a sigmoid-gated shared expert.
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
+                                                     moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                                     tie_word_embeddings=False),
+    # Qwen3-MoE: top-4 renormalised, q/k norms, layer 0 dense (mlp_only_layers).
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**{**COMMON, "num_attention_heads": 4}, num_key_value_heads=2,
+                                                     head_dim=64, intermediate_size=256, moe_intermediate_size=64,
+                                                     num_experts=8, num_experts_per_tok=4, norm_topk_prob=True,
+                                                     mlp_only_layers=[0], tie_word_embeddings=False),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,

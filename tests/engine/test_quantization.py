@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.layers.linear import Linear
+from engine.models.moe import Router, SparseMoeBlock
 from engine.quantization import dequantize, quantize
 from loadtest.quant_quality import agreement_and_kl, dequantized_copy, quantize_activations
 from .conftest import MAX_NEW_TOKENS, backends, build_checkpoint, hf_greedy, mixed_prompts
@@ -21,7 +22,7 @@ from .test_hf_equivalence import generate, make_llm
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # ARCH_CONFIGS entries these tests quantize, with the schemes each is tested in (the README's model table reads it).
 FLAG_ARCHS = ["qwen2", "qwen3", "phi3", "gemma2", "opt"]
-QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8")} | {arch: ("int8",) for arch in FLAG_ARCHS}
+QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8"), "qwen2-moe": ("int8",), **{arch: ("int8",) for arch in FLAG_ARCHS}}
 
 
 def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
@@ -191,6 +192,34 @@ def test_quantization_flag_int8_per_family(arch, tmp_path):
     reference = dequantized_copy(checkpoint.hf_model, "int8")
     prompts = mixed_prompts()[:6]
     assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return build_checkpoint("qwen2-moe", tmp_path_factory.mktemp("moe-quant"))
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_quantization_flag_int8_moe(moe, backend):
+    """--quantization int8 on an MoE model: attention, the shared expert and its gate, the LM head in int8; the
+    experts and the router as they were (transformers' experts are stacked weights, its router a plain weight,
+    so the dequantised reference leaves them too); greedy equal to transformers on those weights."""
+    llm = make_llm(moe.path, backend, quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.experts.w13.dtype == torch.float32 and b.gate.weight_scale is None for b in blocks)
+    dense = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, Router)]
+    assert all(m.weight_scale is not None for m in dense)
+    reference = dequantized_copy(moe.hf_model, "int8")
+    prompts = mixed_prompts()[:8]
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+
+
+def test_quantized_experts_fail_clearly(moe, tmp_path):
+    write_quantized(moe.path, tmp_path, "int8", ct_config())  # every projection, the experts' too
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight_scale': quantized or biased MoE experts "
+                                         "are not supported"):
+        make_llm(str(tmp_path), "torch")
 
 
 def test_quantization_flag_fp8(llama):

@@ -22,6 +22,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard
 from engine.layers.vocab_parallel import ParallelLMHead
 from engine.model_runner import Batch, StepPlan
+from engine.models.moe import FusedExperts
 from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, VOCAB, build_checkpoint, hf_greedy, mixed_prompts, _ext_available
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -40,7 +41,7 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 
 
 # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
-TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3"]
+TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -48,12 +49,15 @@ def model(request, tmp_path_factory):
     """(checkpoint, transformers' greedy outputs, a tp=2 LLM): one engine and worker per model, shared by the
     scenarios (each runs on a fresh scheduler over the same KV pools; the ranks never see the scheduler).
     OPT gets an odd vocabulary, so its embedding and LM head are padded (tied, too). Phi-3 stores q|k|v and
-    gate|up fused: each rank reads its slice of each part (KV replicated)."""
+    gate|up fused: each rank reads its slice of each part (KV replicated). MoE experts are sharded by their
+    intermediate size, so an expert count that does not divide the ranks runs (Qwen2-MoE's 5 here)."""
     config = ARCH_CONFIGS[request.param]()
     if request.param == "opt":
         config.vocab_size = VOCAB + 1
-    if request.param == "phi3":  # its window would free blocks as it slides: the scenarios' pools must fill
+    if request.param in ("phi3", "mixtral"):  # windows would free blocks as they slide: the scenarios' pools must fill
         config.sliding_window = None
+    if request.param == "qwen2-moe":
+        config.num_experts = 5
     checkpoint = build_checkpoint(request.param, tmp_path_factory.mktemp(f"tp-{request.param}"), config=config)
     reference = [hf_greedy(checkpoint.hf_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     llm = LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
@@ -82,6 +86,12 @@ def test_model_is_sharded(model):
     assert attn.num_kv_heads == max(1, getattr(hf, "num_key_value_heads", hf.num_attention_heads) // 2)
     assert runner.kv_cache.shape[3] == attn.num_kv_heads
     assert runner.model.lm_head.weight.shape[0] == -(-hf.vocab_size // 2)  # padded to a multiple of the ranks
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
+    for e in experts:  # every expert on every rank, half of each one's intermediate size
+        intermediate = getattr(hf, "moe_intermediate_size", hf.intermediate_size)
+        assert e.w13.shape == (e.w2.shape[0], intermediate, hf.hidden_size)
+        assert e.w2.shape[1:] == (hf.hidden_size, intermediate // 2)
+    assert bool(experts) == ("Moe" in hf.architectures[0] or "Mixtral" in hf.architectures[0])
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -173,6 +183,10 @@ def test_shard_arithmetic():
     assert head.weight.shape == (76, 128) and head.checkpoint_shard("weight", None) == Shard(0, 301, 228, 73)
     with pytest.raises(ValueError, match="neither a divisor nor a multiple of num_key_value_heads=3"):
         tp.kv_heads(3)
+    experts = FusedExperts(4, 128, 256, "moe_intermediate_size", tp)  # every expert, a quarter of each
+    assert experts.w13.shape == (4, 2 * 64, 128) and experts.w2.shape == (4, 128, 64)
+    assert experts.checkpoint_shard("w13", (2, 1)) == Shard(0, 256, 192, 64, 64, select=2)  # expert 2's up rows
+    assert experts.checkpoint_shard("w2", (1, 0)) == Shard(1, 256, 192, 64, select=1)
 
 
 def test_plan_round_trip():
@@ -200,6 +214,15 @@ def test_shapes_that_do_not_divide_fail_at_load(tmp_path):
     checkpoint = build_checkpoint("llama", tmp_path)  # 2 attention heads, 1 KV head
     with pytest.raises(ValueError, match="tensor_parallel_size=3: num_attention_heads=2 is not divisible by 3"):
         LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=3, **ENGINE)
+
+
+@pytest.mark.parametrize("arch, field", [("mixtral", "intermediate_size"), ("qwen3-moe", "moe_intermediate_size")])
+def test_expert_size_that_does_not_divide_fails_at_load(tmp_path, arch, field):
+    config = ARCH_CONFIGS[arch]()
+    setattr(config, field, 65)
+    checkpoint = build_checkpoint(arch, tmp_path, config=config)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2: {field}=65 is not divisible by 2"):
+        LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
 
 
 # Runs an engine in its own process: the test kills one of its ranks while it generates.

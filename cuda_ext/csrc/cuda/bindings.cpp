@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../ops.h"
 #include "launch.h"
 
 namespace pagedserve {
@@ -254,6 +255,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("row_argmax", &row_argmax_cuda);
   m.impl("apply_token_bitmask", &apply_token_bitmask_cuda);
   m.impl("masked_row_argmax", &masked_row_argmax_cuda);
+  m.impl("fused_moe", &fused_moe);  // ATen ops on the device (cpu/moe.cpp)
 }
 
 }  // namespace pagedserve
