@@ -118,6 +118,7 @@ class MemoryWorkerBroker:
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
         self.lost_state = False  # the bus never loses its state
+        self.server_changed = False
 
     async def start(self) -> None:
         pass

@@ -7,16 +7,22 @@
                         lost (restarted empty) and whose engine died: taken over, not dropped as a duplicate
   {p}:out:{gateway}     a gateway's reply stream: one ReplyBatch entry (field "b") per engine step, trimmed to the
                         reply retention window; any gateway may read it (to resume a client's stream)
-  {p}:request:{id}      StreamRecord, written by the gateway at submission, kept the retention window
+  {p}:request:{{id}}    StreamRecord, written by the gateway at submission, kept the retention window
                         after the request finishes
-  {p}:owner:{id}        the consumer that runs the request, claimed with SET NX: a duplicated queue entry
+  {p}:owner:{{id}}      the consumer that runs the request, claimed with SET NX: a duplicated queue entry
                         (a retried XADD) is never run twice
-  {p}:progress:{id}     Progress, an engine's periodic checkpoint of the request's delivered tokens
+  {p}:progress:{{id}}   Progress, an engine's periodic checkpoint of the request's delivered tokens
   {p}:aborts            stream of aborted request ids, read by every worker each step
   {p}:deadletter        stream of requests given up on after repeated delivery, with the reason
   {p}:engines           set of engine ids; {p}:engine:{id} holds the Heartbeat, expiring without beats
   {p}:gateways          set of gateway ids; {p}:gateway:{id} holds the GatewayBeat, expiring likewise
   {p}:limit:{{t}}:*     one tenant's concurrency slots and token bucket (service/limits.py builds the names)
+
+In a Redis Cluster a key's slot comes from its hash tag (the part in braces) when it has one: a request's
+own keys share its id as their tag, so a command naming several of them (the gateway's MGET of a record and
+its owner) stays in one slot; the request streams (one per model) and the out streams (one per gateway)
+have no tag and spread over the slots. No command names two streams, nor keys of two requests: pipelines
+that do are not transactions, and the cluster client splits them by node.
 """
 from __future__ import annotations
 
@@ -53,13 +59,13 @@ class Keys:
         return f"{self.prefix}:out:{gateway_id}"
 
     def request(self, request_id: str) -> str:
-        return f"{self.prefix}:request:{request_id}"
+        return f"{self.prefix}:request:{{{request_id}}}"
 
     def owner(self, request_id: str) -> str:
-        return f"{self.prefix}:owner:{request_id}"
+        return f"{self.prefix}:owner:{{{request_id}}}"
 
     def progress(self, request_id: str) -> str:
-        return f"{self.prefix}:progress:{request_id}"
+        return f"{self.prefix}:progress:{{{request_id}}}"
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
