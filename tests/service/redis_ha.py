@@ -15,6 +15,7 @@ from collections.abc import Callable
 import redis
 
 from service.local_stack import free_port
+from tests.service.fault_proxy import FaultProxy
 
 SERVICE = "pagedserve"
 _START_TIMEOUT_S = 15.0
@@ -51,14 +52,18 @@ class _Processes:
 
 
 class SentinelSet(_Processes):
-    """A primary, one replica and ``sentinels`` sentinels (quorum: a majority) that fail over within about a
-    second of the primary's death."""
+    """A primary, one replica and ``sentinels`` sentinels (quorum: a majority) that fail over within seconds
+    of the primary's death. The replica replicates through a ``FaultProxy``, which can hold the primary's
+    writes back from it (``hold_replication``): the replica promoted then lacks them, as asynchronous
+    replication allows. The Sentinels leave the replica's odd master address (the proxy's) alone for the
+    failover timeout, so it is long; with more than one Sentinel a split vote waits twice that."""
 
-    def __init__(self, sentinels: int = 3, down_after_ms: int = 500, failover_timeout_ms: int = 2000) -> None:
+    def __init__(self, sentinels: int = 1, down_after_ms: int = 500, failover_timeout_ms: int = 60_000) -> None:
         super().__init__()
         self.primary, self.replica = free_port(), free_port()
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self._down_after_ms, self._failover_timeout_ms = down_after_ms, failover_timeout_ms
+        self.proxy = FaultProxy(self.primary)
 
     @property
     def url(self) -> str:
@@ -67,7 +72,8 @@ class SentinelSet(_Processes):
     def __enter__(self) -> SentinelSet:
         try:
             self._server(self.primary, "--repl-diskless-sync-delay", "0")  # the replica syncs at once
-            self._server(self.replica, "--replicaof", "127.0.0.1", str(self.primary), "--repl-diskless-sync-delay", "0")
+            self.proxy.start()
+            self._server(self.replica, "--replicaof", "127.0.0.1", str(self.proxy.port))
             for port in self.sentinel_ports:
                 self._sentinel(port)
             until(lambda: self.replicated() and self.watched(), "the sentinel set did not come up")
@@ -103,10 +109,19 @@ class SentinelSet(_Processes):
         return (all(self.master_address(p) == ("127.0.0.1", self.replica) for p in self.sentinel_ports)
                 and _ask(self.replica, "ROLE") and _ask(self.replica, "ROLE")[0] == b"master")
 
-    def cut_replication(self) -> None:
-        """The replica stops receiving the primary's writes: it reconnects within about a second, so the
-        writes of the next instants may never reach it if the primary dies meanwhile."""
-        _ask(self.primary, "CLIENT", "KILL", "TYPE", "replica")
+    def hold_replication(self) -> None:
+        """From now on the primary's writes reach the replica only after an hour."""
+        self.proxy.delay(3600)
+
+    def kill_primary(self) -> None:
+        """SIGKILL, and the writes held back are dropped with the replica's link."""
+        self.kill(self.primary)
+        self.proxy.reset()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.proxy.port:
+            self.proxy.stop()
 
 
 class Cluster(_Processes):
