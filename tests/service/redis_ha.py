@@ -150,6 +150,10 @@ class Cluster(_Processes):
             raise
         return self
 
+    def keys(self, port: int) -> list[bytes]:
+        """The keys held by the node on ``port``."""
+        return _ask(port, "KEYS", "*")
+
 
 def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 above it) is free too and below 65536."""

@@ -12,11 +12,20 @@ import pytest
 from loadtest.chaos import judge
 from loadtest.stream_client import Outcome, completion_body, sse_stream
 from service.local_stack import LocalStack, free_port
+from tests.service import test_e2e, test_sse_resume
 from tests.service.conftest import API_KEY, MODEL_NAME, START_TIMEOUT_S, local_stack
 from tests.service.redis_ha import Cluster, SentinelSet, until
-from tests.service.test_e2e import (hf_greedy, test_chat_stream_matches_chat_template_and_framing,  # noqa: F401
-                                    test_client_disconnect_returns_blocks, test_completion_matches_transformers,
-                                    test_openai_client_async, test_openai_client_sync, tokenizer)
+
+# Tests of other modules, collected here too: they run against this module's fixtures (the Cluster's).
+tokenizer, hf_greedy = test_e2e.tokenizer, test_e2e.hf_greedy
+test_completion_matches_transformers = test_e2e.test_completion_matches_transformers
+test_chat_stream_matches_chat_template_and_framing = test_e2e.test_chat_stream_matches_chat_template_and_framing
+test_openai_client_sync = test_e2e.test_openai_client_sync
+test_openai_client_async = test_e2e.test_openai_client_async
+test_client_disconnect_returns_blocks = test_e2e.test_client_disconnect_returns_blocks
+test_resume_on_another_gateway_continues_the_text = test_sse_resume.test_resume_on_another_gateway_continues_the_text
+test_a_client_bouncing_between_gateways_gets_the_whole_text_once = (
+    test_sse_resume.test_a_client_bouncing_between_gateways_gets_the_whole_text_once)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPTS = [f"failover {i}: the paged cache" for i in range(4)]
@@ -26,14 +35,6 @@ WORKER_FLAGS = ("--heartbeat-ttl", "10", "--redis-block-ms", "200")
 GATEWAY_FLAGS = ("--gateway-ttl", "10", "--engine-poll", "0.2", "--redis-block-ms", "200")
 
 
-async def streams(url: str, prompts: list[str]) -> list[Outcome]:
-    outcomes = [Outcome(p) for p in prompts]
-    async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await asyncio.gather(*(sse_stream(session, "POST", f"{url}/v1/completions", o,
-                                          completion_body(MODEL_NAME, o.prompt, MAX_TOKENS)) for o in outcomes))
-    return outcomes
-
-
 def test_a_sentinel_failover_mid_stream_loses_and_duplicates_nothing(demo_model: str) -> None:
     """The Sentinel URL names a port where no Sentinel listens first: discovery moves on to the next."""
     with SentinelSet() as sentinels:
@@ -41,42 +42,73 @@ def test_a_sentinel_failover_mid_stream_loses_and_duplicates_nothing(demo_model:
         with local_stack(demo_model, 1, 1, redis_url=url, worker_flags=WORKER_FLAGS,
                          gateway_flags=GATEWAY_FLAGS) as stack:
             stack.wait_ready(START_TIMEOUT_S)
-            expected = {o.prompt: o.text for o in asyncio.run(streams(stack.url, PROMPTS))}
+            expected = {o.prompt: o.text for o in asyncio.run(streams(stack))}
             assert all(expected.values())
-            outcomes = asyncio.run(failover_during(stack, sentinels))
+            outcomes = asyncio.run(streams(stack, sentinels))
     assert all(o.done for o in outcomes), [o.error for o in outcomes]
-    assert [judge(o, expected[o.prompt]) for o in outcomes] == [(0, 0)] * len(PROMPTS)
+    assert [judge(o, expected[o.prompt]) for o in outcomes] == [(0, 0)] * len(PROMPTS)  # (duplicated, lost)
     assert [o.text for o in outcomes] == [expected[p] for p in PROMPTS]
 
 
-async def failover_during(stack: LocalStack, sentinels: SentinelSet) -> list[Outcome]:
-    """The streams, with the primary SIGKILLed once each has some text (none finished); the replica
-    promoted lacks the last writes."""
+async def streams(stack: LocalStack, sentinels: SentinelSet | None = None) -> list[Outcome]:
+    """Greedy streams of PROMPTS; with ``sentinels``, their primary is SIGKILLed once each stream has some
+    text (none finished), and the replica promoted lacks the last writes."""
     outcomes = [Outcome(p) for p in PROMPTS]
     async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)) as session:
         tasks = [asyncio.create_task(sse_stream(session, "POST", f"{stack.url}/v1/completions", o,
                                                 completion_body(MODEL_NAME, o.prompt, MAX_TOKENS)))
                  for o in outcomes]
-        while not all(o.text for o in outcomes):
-            await asyncio.sleep(0.02)
-        assert not any(o.done or o.error for o in outcomes), "a stream ended before the failover"
-        # The gateway stalls while the replica stops receiving writes: the replies the engine publishes
-        # meanwhile reach neither (only the engine has them) when the primary dies.
-        gateway = stack.gateways[0].process
-        gateway.send_signal(signal.SIGSTOP)
-        sentinels.hold_replication()
-        await asyncio.sleep(0.3)
-        sentinels.kill_primary()
-        gateway.send_signal(signal.SIGCONT)
-        await asyncio.to_thread(until, sentinels.promoted, "the replica was not promoted", 30)
+        if sentinels is not None:
+            await fail_over(stack, sentinels, outcomes)
         await asyncio.gather(*tasks)
     return outcomes
 
 
+async def fail_over(stack: LocalStack, sentinels: SentinelSet, outcomes: list[Outcome]) -> None:
+    while not all(o.text for o in outcomes):
+        await asyncio.sleep(0.02)
+    assert not any(o.done or o.error for o in outcomes), "a stream ended before the failover"
+    # The gateway stalls while the replica stops receiving writes: the replies the engine publishes
+    # meanwhile reach neither (only the engine has them) when the primary dies.
+    gateway = stack.gateways[0].process
+    gateway.send_signal(signal.SIGSTOP)
+    sentinels.hold_replication()
+    await asyncio.sleep(0.3)
+    sentinels.kill_primary()
+    gateway.send_signal(signal.SIGCONT)
+    await asyncio.to_thread(until, sentinels.promoted, "the replica was not promoted", 30)
+
+
 @pytest.fixture(scope="module")
-def stack(demo_model: str) -> Iterator[LocalStack]:
-    """The end-to-end tests imported above run on this module's stack: a worker and a gateway on a
-    3-primary Redis Cluster."""
-    with Cluster() as cluster, local_stack(demo_model, 1, 1, redis_url=cluster.url) as on_cluster:
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as three_primaries:
+        yield three_primaries
+
+
+@pytest.fixture(scope="module")
+def redis_url(cluster: Cluster) -> str:
+    """The resume tests imported above (in-process gateways, a fake engine) run on the Cluster."""
+    return cluster.url
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model: str, cluster: Cluster) -> Iterator[LocalStack]:
+    """The end-to-end tests imported above run on this module's stack: a worker and two gateways on the
+    Cluster."""
+    with local_stack(demo_model, 1, 2, redis_url=cluster.url) as on_cluster:
         on_cluster.wait_ready(START_TIMEOUT_S)
         yield on_cluster
+
+
+def test_the_cluster_spreads_the_streams_and_keeps_each_requests_keys_together(stack: LocalStack,
+                                                                              cluster: Cluster) -> None:
+    test_openai_client_sync(stack)
+    keys = {port: [k.decode() for k in cluster.keys(port)] for port in cluster.ports}
+    streams = {k: port for port, names in keys.items() for k in names if ":out:" in k or ":requests:" in k}
+    assert len(streams) >= 3 and len(set(streams.values())) >= 2  # two gateways' out streams, a request stream
+    by_request: dict[str, set[int]] = {}
+    for port, names in keys.items():
+        for name in names:
+            if name.endswith("}"):
+                by_request.setdefault(name[name.index("{"):], set()).add(port)
+    assert by_request and all(len(ports) == 1 for ports in by_request.values())
