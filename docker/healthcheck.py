@@ -35,6 +35,7 @@ def engine_key(prefix: str, engine_id: str) -> str:
 REDIS_OPTION_ENV = {"username": "PAGEDSERVE_REDIS_USERNAME", "password": "PAGEDSERVE_REDIS_PASSWORD",
                     "ssl_ca_certs": "PAGEDSERVE_REDIS_SSL_CA", "ssl_certfile": "PAGEDSERVE_REDIS_SSL_CERT",
                     "ssl_keyfile": "PAGEDSERVE_REDIS_SSL_KEY"}
+SENTINEL_PASSWORD_ENV = "PAGEDSERVE_REDIS_SENTINEL_PASSWORD"  # the Sentinels' own (RedisConfig.sentinel_password)
 
 
 def redis_client(url: str, **options):
@@ -52,7 +53,7 @@ def redis_client(url: str, **options):
     options |= {k: v for k, v in (("username", nodes.username), ("password", nodes.password)) if v}
     if nodes.kind == "cluster":
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes.hosts], **options)
-    password = os.environ.get("PAGEDSERVE_REDIS_SENTINEL_PASSWORD")
+    password = os.environ.get(SENTINEL_PASSWORD_ENV)
     sentinels = Sentinel(nodes.hosts, sentinel_kwargs={"socket_timeout": 4, **({"password": password} if password
                                                                                 else {})})
     return sentinels.master_for(nodes.service, db=nodes.db, **options)

@@ -409,14 +409,15 @@ class RedisWorkerBroker:
         pipe.set(self._keys.engine(self.engine_id), encode(beat), px=self._heartbeat_ttl_ms, get=True)
         pipe.sadd(self._keys.engines, self.engine_id)
         previous, _ = await pipe.execute()
-        if previous is None:  # the first beat, an expiry, or Redis restarted empty
-            self.lost_state = True
-        # After the beat: one that landed on the old primary is followed by a look at the new one.
+        # After the beat: one that landed on the old primary is followed by a look at the new one. Both
+        # flags are set after the last await: the worker reads them as soon as this returns, and a
+        # ``taken_over`` running meanwhile would clear ``lost_state`` before the worker saw it.
         server = await server_identity(self._client)
         self.server_changed = None not in (server, self._server) and server != self._server
         self._server = server or self._server
         if self.server_changed:  # its replica lacked the last writes, perhaps: as if Redis restarted
             log.warning("Redis is another server now (a failover or a restart): re-asserting this engine's state")
+        if previous is None or self.server_changed:  # the first beat, an expiry, Redis restarted empty
             self.lost_state = True
 
 
