@@ -4,6 +4,7 @@
     python healthcheck.py --http     gateway / serve: GET /health on PAGEDSERVE_PORT
     python healthcheck.py --worker   worker (no HTTP port): its heartbeat key in Redis is live
 
+The Redis URL may name a Sentinel set or a Redis Cluster (redis+sentinel://, redis+cluster://).
 A worker's heartbeat key expires a few seconds after its engine loop stops beating, so the
 probe catches a hung engine, not just a dead process. The engine id is PAGEDSERVE_ENGINE_ID,
 or else any engine registered under this hostname (the worker's default id is hostname-pid).
@@ -34,15 +35,35 @@ def engine_key(prefix: str, engine_id: str) -> str:
 REDIS_OPTION_ENV = {"username": "PAGEDSERVE_REDIS_USERNAME", "password": "PAGEDSERVE_REDIS_PASSWORD",
                     "ssl_ca_certs": "PAGEDSERVE_REDIS_SSL_CA", "ssl_certfile": "PAGEDSERVE_REDIS_SSL_CERT",
                     "ssl_keyfile": "PAGEDSERVE_REDIS_SSL_KEY"}
+SENTINEL_PASSWORD_ENV = "PAGEDSERVE_REDIS_SENTINEL_PASSWORD"  # the Sentinels' own (RedisConfig.sentinel_password)
+
+
+def redis_client(url: str, **options):
+    """The worker's Redis: a Sentinel set's primary or a Cluster read with the worker's own URL reader
+    (service.redis_url imports no torch)."""
+    import redis
+
+    if not url.startswith(("redis+sentinel://", "redis+cluster://")):
+        return redis.Redis.from_url(url, **options)
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.sentinel import Sentinel
+    from service.redis_url import read_nodes
+
+    nodes = read_nodes(url)
+    options |= {k: v for k, v in (("username", nodes.username), ("password", nodes.password)) if v}
+    if nodes.kind == "cluster":
+        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes.hosts], **options)
+    password = os.environ.get(SENTINEL_PASSWORD_ENV)
+    sentinels = Sentinel(nodes.hosts, sentinel_kwargs={"socket_timeout": 4, **({"password": password} if password
+                                                                                else {})})
+    return sentinels.master_for(nodes.service, db=nodes.db, **options)
 
 
 def worker_ok() -> bool:
-    import redis
-
     prefix = os.environ.get("PAGEDSERVE_REDIS_PREFIX", "pagedserve")
     options = {name: os.environ[env] for name, env in REDIS_OPTION_ENV.items() if os.environ.get(env)}
-    client = redis.Redis.from_url(os.environ.get("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                                  socket_timeout=4, socket_connect_timeout=4, **options)
+    client = redis_client(os.environ.get("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                          socket_timeout=4, socket_connect_timeout=4, **options)
     engine_id = os.environ.get("PAGEDSERVE_ENGINE_ID")
     if engine_id:
         candidates = [engine_id]

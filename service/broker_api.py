@@ -129,6 +129,7 @@ class WorkerBroker(Protocol):
     incarnation: str  # of this process: a restarted engine keeps its id, not its incarnation
     lost_state: bool  # the broker may have lost this engine's claims (Redis restarted empty): see taken_over
     kv_wanted: bool  # a gateway asked for this engine's KV snapshots lately (learnt with each heartbeat)
+    server_changed: bool  # the last beat reached another server (a failover): it may lack the last writes
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.field_specs import check_fields, spec
 
 from service.limits import KeyPolicy, parse_key_policies, parse_policy
+from service.redis_url import RedisNodes, read_nodes
 
 DEMO_MODEL_NAME = "pagedserve-demo"
 
@@ -29,7 +30,9 @@ class RedisConfig:
     """Where the broker lives; shared by gateways and workers."""
 
     url: str = spec("redis://127.0.0.1:6379/0", flag="--redis-url",
-                    help="Redis URL (redis://host:port/db, rediss://, unix:///path.sock)")
+                    help="Redis URL (redis://host:port/db, rediss://, unix:///path.sock), a Sentinel set "
+                         "(redis+sentinel://host:port[,host:port...]/SERVICE[/db]) or a Redis Cluster "
+                         "(redis+cluster://host:port[,host:port...])")
     prefix: str = spec("pagedserve", flag="--redis-prefix", help="key prefix, to share one Redis between deployments")
     # Blocking reads; their socket timeout is a little longer.
     block_ms: int = spec(1000, low=1, flag="--redis-block-ms", help="blocking-read time of the broker loops")
@@ -40,6 +43,9 @@ class RedisConfig:
     username: str | None = spec(None, flag="--redis-username", secret=True, help="Redis ACL user name")
     password: str | None = spec(None, flag="--redis-password", secret=True,
                                 help="Redis password (of the ACL user, or requirepass's)")
+    sentinel_password: str | None = spec(None, flag="--redis-sentinel-password", secret=True,
+                                         help="password of the Sentinels themselves (their requirepass), when "
+                                              "they ask for one; the URL's or --redis-password is the data's")
     # TLS (rediss://): the server's CA, and a client certificate where the server asks for one.
     ssl_ca_certs: str | None = spec(None, flag="--redis-ssl-ca", help="CA bundle that verifies a rediss:// server")
     ssl_certfile: str | None = spec(None, flag="--redis-ssl-cert", help="client certificate for rediss:// (PEM)")
@@ -51,6 +57,7 @@ class RedisConfig:
             raise ValueError(f"invalid redis prefix {self.prefix!r}")
         if not self.url.startswith("rediss://") and (self.ssl_ca_certs or self.ssl_certfile or self.ssl_keyfile):
             raise ValueError("the --redis-ssl-* options need a rediss:// URL")
+        self.nodes()  # a malformed Sentinel or Cluster URL fails at start
 
     def __repr__(self) -> str:  # never the password, should a config be logged
         return f"RedisConfig(url={_without_password(self.url)!r}, prefix={self.prefix!r}, user={self.username!r})"
@@ -58,7 +65,14 @@ class RedisConfig:
     def connection_options(self) -> dict[str, str]:
         """redis-py's keyword arguments for the options that are set (a URL's own user and password win)."""
         names = ("username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-        return {name: value for name in names if (value := getattr(self, name)) is not None}
+        options = {name: value for name in names if (value := getattr(self, name)) is not None}
+        nodes = self.nodes()
+        credentials = {} if nodes is None else {"username": nodes.username, "password": nodes.password}
+        return options | {name: value for name, value in credentials.items() if value is not None}
+
+    def nodes(self) -> RedisNodes | None:
+        """The hosts of a ``redis+sentinel://`` or ``redis+cluster://`` URL; None for a single server's URL."""
+        return read_nodes(self.url)
 
 
 def _without_password(url: str) -> str:

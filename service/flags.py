@@ -123,7 +123,7 @@ def secret_env(sections: Iterable[Section], args: argparse.Namespace) -> dict[st
     """The secret options' parsed values, as the environment twins a child process reads."""
     return {env_name(flag_name(f)): ",".join(value) if isinstance(value, list) else str(value)
             for _, cls in sections for f in options(cls)
-            if _secret(f) and (value := getattr(args, f.name, None)) is not None}
+            if _secret(f) and (value := getattr(args, f.name, None)) is not None and value != []}
 
 
 def _secret(f: Field) -> bool:

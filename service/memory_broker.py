@@ -127,6 +127,7 @@ class MemoryWorkerBroker:
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
         self.lost_state = False  # the bus never loses its state
         self.kv_wanted = False
+        self.server_changed = False
 
     async def start(self) -> None:
         pass

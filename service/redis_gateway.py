@@ -1,7 +1,8 @@
 """A gateway's side of the Redis broker (key layout in ``service.redis_keys``): submissions batched into
-pipelines, one blocking reader over this gateway's out stream (and the out streams of the gateways whose
-requests clients resumed here), the engines' heartbeats read and this gateway's own written, and the
-replay of a request's replies for an SSE resume.
+pipelines, one blocking reader over this gateway's out stream (and one over each out stream of the gateways
+whose requests clients resumed here: in a Redis Cluster two streams may lie in different slots, which one
+XREAD cannot name together), the engines' heartbeats read and this gateway's own written, and the replay
+of a request's replies for an SSE resume.
 
 Redis restarted without persistence loses the queue and every record, not the requests: this gateway
 keeps what it submitted while the request lives. When its beat finds its own key gone, it writes its
@@ -9,7 +10,8 @@ StreamRecords again (SET NX) and, one beat later (time for the engines to re-ass
 run), re-submits those no engine has accepted: a request an engine still owns is dropped as a
 duplicate there, one whose entry was lost is queued again. The accepted ones have no queue entry left
 for another engine to claim should theirs die: if one does, the request is queued again marked as a
-resume (``RESUMES``), and the engine that takes it continues from the transcript."""
+resume (``RESUMES``), and the engine that takes it continues from the transcript. A failover to a replica
+that lacked the last writes starts the same recovery: the beat finds another server behind the client."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
 
-from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect
+from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect, get_many, server_identity
 from service.broker_api import KV_WANTED_S, BrokerUnavailable, Resumed
 from service.config import GatewayConfig
 from service.limits import RedisLimiter
@@ -30,7 +32,7 @@ from service.redis_keys import PREFIX_KEY_BYTES, RESUMES, Keys, split_consumer
 from service.routing import choose_engine, leading_hits, prompt_block_keys
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
-from service.transcript import read_transcript
+from service.transcript import CLOCK_SKEW_MS, read_transcript
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,11 @@ class RedisGatewayBroker(ReplyRouter):
         self._resubmit: list[str] = []  # not accepted when Redis lost its state: queued again at the next beat
         self._entry_lost: set[str] = set()  # accepted when Redis lost its state: no queue entry left
         self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
+        self._server: frozenset[str] | None = None  # the run ids behind the client at the last beat
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._routed_since_beat: Counter[str] = Counter()  # requests routed to each engine since its figures
+        self._followers: dict[str, asyncio.Task] = {}  # another gateway's out stream -> its reader
 
     def limiter(self, lease_s: float) -> RedisLimiter:
         """Per-key limits in this deployment's Redis (once started)."""
@@ -80,7 +84,7 @@ class RedisGatewayBroker(ReplyRouter):
         self._blocking = connect(self.config.redis, blocking=True)
         self._cursors[self._out] = await self._last_id(self._out)
         await self._refresh_engines()
-        self._tasks = [supervised("reply-reader", self._read_replies, self.poll_s),
+        self._tasks = [supervised("reply-reader", lambda: self._read_replies(self._out), self.poll_s),
                        supervised("engine-watch", self._watch, self.poll_s)]
 
     async def close(self) -> None:
@@ -90,7 +94,8 @@ class RedisGatewayBroker(ReplyRouter):
         await self._stop(watcher, self.poll_s + COMMAND_TIMEOUT_S)
         await self._stop_background()
         await self._wake_reader()
-        await self._stop(reader, self.config.redis.block_ms / 1000 + COMMAND_TIMEOUT_S)
+        for task in [reader, *self._followers.values()]:  # a follower's read returns within the block time
+            await self._stop(task, self.config.redis.block_ms / 1000 + COMMAND_TIMEOUT_S)
         try:
             await self._client.delete(self._keys.gateway(self.gateway_id))
             await self._client.srem(self._keys.gateways, self.gateway_id)
@@ -213,7 +218,7 @@ class RedisGatewayBroker(ReplyRouter):
         try:
             # Not this gateway's own beat: it may still list a request released since.
             ids = [i for m in await self._client.smembers(self._keys.gateways) if (i := m.decode()) != self.gateway_id]
-            beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
+            beats = await get_many(self._client, [self._keys.gateway(i) for i in ids])
             if gone := [i for i, b in zip(ids, beats) if b is None]:
                 await self._client.srem(self._keys.gateways, *gone)
         except BROKER_ERRORS:
@@ -225,6 +230,7 @@ class RedisGatewayBroker(ReplyRouter):
         """The request's StreamRecord and a queue that gets every counted event from index 0 (the
         transcript's, then live ones); None when the record is missing (unknown or expired)."""
         try:
+            # One slot in a Cluster: both keys carry the request id as their hash tag.
             raw, owner = await self._client.mget([self._keys.request(request_id), self._keys.owner(request_id)])
         except BROKER_ERRORS as exc:
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
@@ -253,7 +259,9 @@ class RedisGatewayBroker(ReplyRouter):
         key = self._keys.out(gateway_id)
         if key not in self._cursors:
             self._cursors[key] = await self._last_id(key)
-            await self._wake_reader()
+        if key not in self._followers or self._followers[key].done():
+            self._followers[key] = supervised(f"reply-reader {gateway_id}", lambda: self._read_replies(key),
+                                              self.poll_s)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
@@ -261,27 +269,27 @@ class RedisGatewayBroker(ReplyRouter):
         self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
-            self._cursors.pop(self._keys.out(gateway_id), None)
+            self._cursors.pop(self._keys.out(gateway_id), None)  # its reader ends after its current read
 
     # ---- reading ----------------------------------------------------------
-    async def _read_replies(self) -> None:
-        while not self._closing.is_set():
+    async def _read_replies(self, key: str) -> None:
+        """Reads one out stream while it is followed (this gateway's own: until closing)."""
+        while not self._closing.is_set() and key in self._cursors:
             try:
-                response = await self._blocking.xread(dict(self._cursors), block=self.config.redis.block_ms)
+                response = await self._blocking.xread({key: self._cursors[key]}, block=self.config.redis.block_ms)
             except BROKER_ERRORS as exc:
                 log.warning("reply reader: %s", type(exc).__name__)
                 await asyncio.sleep(self.poll_s)
                 continue
-            for key, entries in response or []:
-                if key.decode() in self._cursors:
-                    self._cursors[key.decode()] = entries[-1][0]
+            for _, entries in response or []:
+                if key in self._cursors:
+                    self._cursors[key] = entries[-1][0]
                 for _, fields in entries:
                     if b"b" in fields:  # a wake-up entry has none
                         self.route_payload(fields[b"b"])
 
     async def _wake_reader(self) -> None:
-        """An entry without a batch on this gateway's stream: the blocking read returns and re-reads
-        its key list (a new adopted stream, or closing)."""
+        """An entry without a batch on this gateway's stream: its blocking read returns (closing)."""
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.xadd(self._out, {"w": b""})
@@ -312,7 +320,7 @@ class RedisGatewayBroker(ReplyRouter):
         await self._beat()
         try:
             ids = sorted(i.decode() for i in await self._client.smembers(self._keys.engines))
-            beats = await self._client.mget([self._keys.engine(i) for i in ids]) if ids else []
+            beats = await get_many(self._client, [self._keys.engine(i) for i in ids])
             dead = [i for i, b in zip(ids, beats) if b is None]
             if dead:
                 await self._client.srem(self._keys.engines, *dead)
@@ -334,11 +342,23 @@ class RedisGatewayBroker(ReplyRouter):
             previous, _ = await pipe.execute()
             await self._requeue()
             await self._requeue_orphans()
-            self._restore_due |= previous is None
+            self._restore_due |= previous is None or await self._failed_over()
             if self._restore_due:
                 await self._restore()
         except BROKER_ERRORS as exc:
             log.debug("gateway heartbeat failed: %s", type(exc).__name__)
+
+    async def _failed_over(self) -> bool:
+        """Whether another server answers than at the last beat (a promoted replica, a restart): the last
+        writes may be gone. The out streams' cursors go back by the clock skew the transcripts allow: the new
+        server's clock stamps the next entries, and may be behind the old one's."""
+        server = await server_identity(self._client)
+        changed = None not in (server, self._server) and server != self._server
+        self._server = server or self._server
+        if changed:
+            log.warning("Redis is another server now (a failover or a restart): restoring this gateway's records")
+            self._cursors = {key: _rewound(cursor) for key, cursor in self._cursors.items()}
+        return changed
 
     async def _restore(self) -> None:
         """Writes the live requests' StreamRecords again (SET NX); of those that were lost, the ones no
@@ -376,7 +396,7 @@ class RedisGatewayBroker(ReplyRouter):
                and sub.lost_since is not None and max(sub.lost_since, self._restored_at) <= since]
         if not due:
             return
-        checkpoints = await self._client.mget([self._keys.progress(rid) for rid in due])
+        checkpoints = await get_many(self._client, [self._keys.progress(rid) for rid in due])
         whole = [self._submitted[rid] for rid, checkpoint in zip(due, checkpoints)
                  if checkpoint is not None or self._subs[rid].expected == 0]
         pipe = self._client.pipeline(transaction=False)
@@ -391,6 +411,11 @@ class RedisGatewayBroker(ReplyRouter):
         """The submissions of these requests that are still live here and that no engine has accepted."""
         return [item for rid in request_ids
                 if (item := self._submitted.get(rid)) and (sub := self._subs.get(rid)) and sub.owner is None]
+
+
+def _rewound(cursor: bytes) -> bytes:
+    millis = int(cursor.partition(b"-")[0])
+    return f"{max(millis - CLOCK_SKEW_MS, 0)}-0".encode()
 
 
 def _owner(consumer: bytes | None) -> tuple[str, str] | None:

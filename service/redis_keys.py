@@ -1,23 +1,23 @@
 """The Redis key layout of one deployment, every key under one prefix (docs/architecture.md, section 5).
 
-  {p}:requests:{model}  stream of RequestMsg for one served model, consumer group "engines" (each engine
+  {p}:requests:{{model}}  stream of RequestMsg for one served model, consumer group "engines" (each engine
                         process reads as consumer "{engine_id}/{incarnation}"); an entry is acked (and
                         deleted) only when its request has finished; field "p" holds the RequestMsg, and
                         an entry with field RESUMES is a gateway's re-queue of a request whose entry Redis
                         lost (restarted empty) and whose engine died: taken over, not dropped as a duplicate
   {p}:out:{gateway}     a gateway's reply stream: one ReplyBatch entry (field "b") per engine step, trimmed to the
                         reply retention window; any gateway may read it (to resume a client's stream)
-  {p}:requests:{model}:to:{engine}  stream of RequestMsg routed to one engine by its cached prefix (same group and
+  {p}:requests:{{model}}:to:{engine}  stream of RequestMsg routed to one engine by its cached prefix (same group and
                         fields); its engine reads it first, an idle engine takes an entry left unread
                         ``steal_after_s``, and its pending entries are reclaimed like the shared stream's
   {p}:routed:{model}    set of the engine ids that have such a stream (for reclaim and stealing)
   {p}:prefixes:{engine} set of the first 8 bytes of each prefix-cache block hash the engine holds, expiring
                         with its heartbeat (the gateway's routing reads it)
-  {p}:request:{id}      StreamRecord, written by the gateway at submission, kept the retention window
+  {p}:request:{{id}}    StreamRecord, written by the gateway at submission, kept the retention window
                         after the request finishes
-  {p}:owner:{id}        the consumer that runs the request, claimed with SET NX: a duplicated queue entry
+  {p}:owner:{{id}}      the consumer that runs the request, claimed with SET NX: a duplicated queue entry
                         (a retried XADD) is never run twice
-  {p}:progress:{id}     Progress, an engine's periodic checkpoint of the request's delivered tokens
+  {p}:progress:{{id}}   Progress, an engine's periodic checkpoint of the request's delivered tokens
   {p}:aborts            stream of aborted request ids, read by every worker each step
   {p}:deadletter        stream of requests given up on after repeated delivery, with the reason
   {p}:engines           set of engine ids; {p}:engine:{id} holds the Heartbeat, expiring without beats
@@ -25,6 +25,14 @@
   {p}:limit:{{t}}:*     one tenant's concurrency slots and token bucket (service/limits.py builds the names)
   {p}:kv_wanted:{id}    set (expiring) by a gateway's /v1/kv_snapshot: a dashboard watches engine {id}
   {p}:kv:{id}           KVSnapshotMsg, engine {id}'s latest KV snapshot, published while the key above exists
+
+In a Redis Cluster a key's slot comes from its hash tag (the part in braces) when it has one: a request's
+own keys share its id as their tag, so a command naming several of them (the gateway's MGET of a record and
+its owner) stays in one slot; the request streams (one per model) and the out streams (one per gateway)
+spread over the slots, except that a model's shared stream and its streams routed to each engine share the
+model as their tag (a worker reads its own routed stream and the shared one in one XREADGROUP). No other
+command names two streams, nor keys of two requests: pipelines that do are not transactions, and the
+cluster client splits them by node.
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ class Keys:
 
     def requests(self, model: str) -> str:
         """One request stream per served model, so an engine never takes another model's requests."""
-        return f"{self.prefix}:requests:{model}"
+        return f"{self.prefix}:requests:{{{model}}}"  # the model as hash tag: its routed streams share the slot
 
     def routed(self, model: str, engine_id: str) -> str:
         """The stream of requests routed to one engine (a suffix of the model's: the same hash tag, if any)."""
@@ -72,13 +80,13 @@ class Keys:
         return f"{self.prefix}:out:{gateway_id}"
 
     def request(self, request_id: str) -> str:
-        return f"{self.prefix}:request:{request_id}"
+        return f"{self.prefix}:request:{{{request_id}}}"
 
     def owner(self, request_id: str) -> str:
-        return f"{self.prefix}:owner:{request_id}"
+        return f"{self.prefix}:owner:{{{request_id}}}"
 
     def progress(self, request_id: str) -> str:
-        return f"{self.prefix}:progress:{request_id}"
+        return f"{self.prefix}:progress:{{{request_id}}}"
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"

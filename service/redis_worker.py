@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from service.broker import GROUP, UNFINISHED_TTL_S, _unavailable_on_error, connect, ensure_group
+from service.broker import (GROUP, UNFINISHED_TTL_S, _unavailable_on_error, connect, ensure_group, get_many,
+                            is_cluster, server_identity)
 from service.broker_api import BrokerUnavailable, Pulled, Reply, RequestHandle, read_request, rows_by_gateway
 from service.config import RedisConfig
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, SchemaError, StreamRecord, decode, encode,
@@ -96,10 +97,14 @@ class RedisWorkerBroker:
         # requests this engine runs may be gone or another engine's; ``taken_over`` settles it.
         self.lost_state = False
         self.kv_wanted = False
+        self.server_changed = False  # the last beat reached another server than the one before (a failover)
+        self._server: frozenset[str] | None = None
 
     async def start(self) -> None:
         self._client, self._blocking = connect(self.config), connect(self.config, blocking=True)
-        self._lane = StepLane(self.config, retry_s=_LANE_RETRY_S)
+        # A Cluster has none: the lane is one connection, to one node. Its commands go through the cluster
+        # client's pipelines instead, split by node.
+        self._lane = None if is_cluster(self._client) else StepLane(self.config, retry_s=_LANE_RETRY_S)
         await self._ensure_groups()
         # Aborts from the last minute still matter: their requests may be queued.
         self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
@@ -113,7 +118,8 @@ class RedisWorkerBroker:
             pass
         await self._client.aclose()
         await self._blocking.aclose()
-        self._lane.close()
+        if self._lane is not None:
+            self._lane.close()
 
     @_unavailable_on_error
     async def poll(self, count: int, block: bool) -> tuple[list[Pulled], list[str]]:
@@ -149,8 +155,14 @@ class RedisWorkerBroker:
             pipe.xread({self._keys.aborts: self._abort_cursor})
             results = await pipe.execute()
             entries, aborts = (results if count else ([], results[0]))
-        pulled = await self._claim(recovered, mine_ok=True) + await self._claim(_entries(entries), mine_ok=False)
+        pulled = (await self._claim(recovered, mine_ok=True)
+                  + await self._claim(self._not_running(_entries(entries)), mine_ok=False))
         return pulled, self._read_aborts(aborts)
+
+    def _not_running(self, entries: list[Entry]) -> list[Entry]:
+        """The entries but those this consumer runs already: a replica promoted after the delivery of one,
+        without it (replication is asynchronous), delivers it again."""
+        return [(stream, e, f) for stream, e, f in entries if (stream, e) not in self._running]
 
     async def _own_pending(self) -> list[Entry]:
         """This consumer's pending entries it is not running (a read whose reply was lost). Listed with
@@ -201,7 +213,7 @@ class RedisWorkerBroker:
     async def _of_dead_owners(self, claimed: list[tuple[Pulled, bytes | None]]) -> list[Pulled]:
         """Those whose owner before (None: its key was lost too) is not a live engine's consumer."""
         owners = [split_consumer(old.decode()) if old else ("", "") for _, old in claimed]
-        beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners]) if owners else []
+        beats = await get_many(self._client, [self._keys.engine(engine_id) for engine_id, _ in owners])
         return [p for (p, _), (_, incarnation), beat in zip(claimed, owners, beats) if not _alive(beat, incarnation)]
 
     async def _own(self, request_ids: list[str]) -> list[bytes | None]:
@@ -305,7 +317,7 @@ class RedisWorkerBroker:
         call.replies = self._lane.receive() if call.sent else None
         if not call.pulls or call.replies is None or isinstance(reply := call.replies[call.publish], ResponseError):
             return
-        call.fresh = _entries(_stream_reply(reply))
+        call.fresh = self._not_running(_entries(_stream_reply(reply)))
         call.pulled = _read_entries(call.fresh)
         ids = [p.msg.request_id for p in call.pulled if p.msg is not None]
         if ids and self._lane.send(self._own_commands(ids)):
@@ -406,7 +418,7 @@ class RedisWorkerBroker:
         if not others:
             return []
         owners = [split_consumer(name) for name, _ in others]
-        beats = await self._client.mget([self._keys.engine(engine_id) for engine_id, _ in owners])
+        beats = await get_many(self._client, [self._keys.engine(engine_id) for engine_id, _ in owners])
         return [c for c, (_, incarnation), beat in zip(others, owners, beats) if not _alive(beat, incarnation)]
 
     async def _claim_from(self, stream: str, consumer: str, count: int) -> list[Pulled]:
@@ -455,7 +467,7 @@ class RedisWorkerBroker:
     async def gateways(self) -> dict[str, GatewayBeat]:
         """The live gateways by id; an unreadable beat counts as alive (it beats), adopting nothing."""
         ids = sorted(i.decode() for i in await self._client.smembers(self._keys.gateways))
-        beats = await self._client.mget([self._keys.gateway(i) for i in ids]) if ids else []
+        beats = await get_many(self._client, [self._keys.gateway(i) for i in ids])
         return {i: _gateway_beat(i, b) for i, b in zip(ids, beats) if b is not None}
 
     @_unavailable_on_error
@@ -467,9 +479,17 @@ class RedisWorkerBroker:
         published = self._queue_prefixes(pipe, {h[:PREFIX_KEY_BYTES] for h in prefixes})
         self._published_prefixes = None  # unknown until the pipeline's answer
         previous, _, wanted, *_ = await pipe.execute()
+        # After the beat: one that landed on the old primary is followed by a look at the new one. Both
+        # flags are set after the last await: the worker reads them as soon as this returns, and a
+        # ``taken_over`` running meanwhile would clear ``lost_state`` before the worker saw it.
+        server = await server_identity(self._client)
+        self.server_changed = None not in (server, self._server) and server != self._server
+        self._server = server or self._server
         self._published_prefixes = published
         self.kv_wanted = bool(wanted)
-        if previous is None:  # the first beat, an expiry, or Redis restarted empty: the set may be gone too
+        if self.server_changed:  # its replica lacked the last writes, perhaps: as if Redis restarted
+            log.warning("Redis is another server now (a failover or a restart): re-asserting this engine's state")
+        if previous is None or self.server_changed:  # the first beat, an expiry, Redis restarted empty
             self.lost_state = True
             self._published_prefixes = None
 

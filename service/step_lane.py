@@ -18,11 +18,9 @@ import time
 from collections.abc import Sequence
 
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
-from redis.retry import Retry
 
-from service.broker import BROKER_ERRORS
+from service.broker import BROKER_ERRORS, sync_client
 from service.config import RedisConfig
 
 Command = Sequence[bytes | str | int]
@@ -44,9 +42,9 @@ def encode_commands(commands: Sequence[Command]) -> bytes:
 
 class StepLane:
     def __init__(self, config: RedisConfig, retry_s: float) -> None:
-        self._client = redis.Redis.from_url(
-            config.url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S, protocol=2,
-            decode_responses=False, retry=Retry(NoBackoff(), 0), **config.connection_options())
+        self._client = sync_client(config, _TIMEOUT_S)
+        if self._client is None:
+            raise ValueError("a Redis Cluster has no step lane: one connection reaches one node's slots")
         self._connection: redis.connection.Connection | None = None
         self._retry_s = retry_s
         self._failed_at = float("-inf")

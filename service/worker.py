@@ -570,8 +570,10 @@ class Worker:
             self._beat_ok_at = time.monotonic()
             if not self.broker.lost_state:
                 self._outage_since = None  # Redis kept its state: nothing sent before the outage was lost
-            elif not was_lost and self._beat_ok_at - previous_ok <= self.config.heartbeat_ttl_s:
-                # This beat found the key gone before its TTL: Redis restarted empty, perhaps with replies unread.
+            elif not was_lost and (self.broker.server_changed
+                                   or self._beat_ok_at - previous_ok <= self.config.heartbeat_ttl_s):
+                # This beat found the key gone before its TTL (Redis restarted empty), or another server (a
+                # promoted replica, which may lack the last writes): replies may have been lost unread.
                 self._outage_since = self._outage_since or previous_ok
         except BrokerUnavailable as exc:
             log.warning("heartbeat failed: %s", exc)

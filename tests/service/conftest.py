@@ -56,14 +56,18 @@ def engine_stats(**figures: float) -> EngineStats:
     return EngineStats(**{f.name: 0 for f in fields(EngineStats)} | figures)
 
 
-def local_stack(model: str, num_workers: int, num_gateways: int, engine: EngineConfig = ENGINE) -> LocalStack:
-    """Workers (engine ids w0, w1, ...) and gateways on the demo model; the API key in the environment."""
+def local_stack(model: str, num_workers: int, num_gateways: int, engine: EngineConfig = ENGINE,
+                redis_url: str | None = None, worker_flags: tuple[str, ...] = (),
+                gateway_flags: tuple[str, ...] = ()) -> LocalStack:
+    """Workers (engine ids w0, w1, ...) and gateways on the demo model; the API key in the environment. On the
+    stack's own redis-server, or on ``redis_url`` (a Sentinel set, a Cluster)."""
     stack = LocalStack(env={"PAGEDSERVE_API_KEY": API_KEY}, cwd=ROOT)
     common = ["--model", model, "--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
     for i in range(num_workers):
-        stack.add_worker([*common, *config_argv(engine), *HEARTBEAT_FLAGS, "--engine-id", f"w{i}"])
+        stack.add_worker([*common, *config_argv(engine), *HEARTBEAT_FLAGS, "--engine-id", f"w{i}", *worker_flags],
+                         redis_url=redis_url)
     for _ in range(num_gateways):
-        stack.add_gateway(common)
+        stack.add_gateway([*common, *gateway_flags], redis_url=redis_url)
     return stack
 
 

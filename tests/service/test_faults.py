@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from loadtest.stream_client import Outcome, completion_body, openai_stream, sse_stream
 from service.flags import config_argv
 from service.local_stack import Child, LocalStack
+from service.redis_keys import Keys
 from tests.service.conftest import API_KEY, MODEL_NAME, ROOT, START_TIMEOUT_S
 from tests.service.fault_proxy import FaultProxy
 
@@ -43,7 +44,8 @@ STREAMS = PROMPTS[:4]  # per test, but for the issue's own case: 8 streams, the 
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1", "--redis-block-ms", "200", "--max-pull", "2"]
 STREAM_DEADLINE_S = 45.0  # a stream still open after this long hangs
 PREFIX = "pagedserve"
-REQUESTS = f"{PREFIX}:requests:{MODEL_NAME}"
+KEYS = Keys(PREFIX)
+REQUESTS = KEYS.requests(MODEL_NAME)
 
 
 @dataclass(slots=True)
@@ -59,7 +61,7 @@ class Faults:
 
     def owner(self, request_id: str) -> str | None:
         """The consumer (``engine id/incarnation``) whose worker runs the request now, from its owner record."""
-        owner = self.stack.redis_command("GET", f"{PREFIX}:owner:{request_id}")
+        owner = self.stack.redis_command("GET", KEYS.owner(request_id))
         return owner.decode() if owner else None
 
     def heal(self) -> None:
@@ -105,8 +107,8 @@ During = Callable[[Owners], Awaitable[None]]
 
 def queued_entries(stack: LocalStack) -> int:
     """Entries in the model's shared request stream and in the streams of requests routed to each engine."""
-    routed = [f"{REQUESTS}:to:{engine.decode()}" for engine in
-              stack.redis_command("SMEMBERS", f"{PREFIX}:routed:{MODEL_NAME}")]
+    routed = [KEYS.routed(MODEL_NAME, engine.decode()) for engine in
+              stack.redis_command("SMEMBERS", KEYS.routed_engines(MODEL_NAME))]
     return sum(stack.redis_command("XLEN", stream) for stream in [REQUESTS, *routed])
 
 
@@ -138,9 +140,9 @@ async def streams(stack: LocalStack, prompts: list[str], during: During | None =
 
 
 def owner_records(stack: LocalStack) -> Owners:
-    keys = stack.redis_command("KEYS", f"{PREFIX}:owner:*")
+    keys = stack.redis_command("KEYS", KEYS.owner("*"))
     values = stack.redis_command("MGET", *keys) if keys else []
-    return {k.decode().rpartition(":")[2]: v.decode() for k, v in zip(keys, values) if v}
+    return {k.decode().rpartition(":")[2].strip("{}"): v.decode() for k, v in zip(keys, values) if v}
 
 
 async def until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -246,7 +248,7 @@ def test_redis_restart_then_a_worker_dies(faults: Faults) -> None:
     async def during(owners: Owners) -> None:
         before.update(owners)
         await restart_redis(faults)
-        await until(lambda: all(faults.stack.redis_command("EXISTS", f"{PREFIX}:progress:{rid}") for rid in owners), 10)
+        await until(lambda: all(faults.stack.redis_command("EXISTS", KEYS.progress(rid)) for rid in owners), 10)
         faults.stack.kill(faults.stack.workers[int(engine_of(next(iter(owners.values())))[1:])])
 
     outcomes = asyncio.run(streams(faults.stack, STREAMS[:2], during, max_tokens=LONG_TOKENS))
