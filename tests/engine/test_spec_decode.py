@@ -14,7 +14,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.ngram import lookup
 
-from .conftest import COMMON, VOCAB, build_checkpoint, mixed_prompts
+from .conftest import COMMON, VOCAB, backends, build_checkpoint, mixed_prompts
 
 STOP = 7
 
@@ -178,8 +178,8 @@ def _joint_probs(model, prompt: list[int], temperature: float, length: int) -> t
     return joint
 
 
-@pytest.mark.slow
-def test_sampled_tokens_follow_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("backend", backends()[1:])  # the compiled attention: the torch one loops per sequence
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, backend):
     """Unseeded draws with a fixed proposal of two tokens (verified after the first token, which the prefill
     samples): the joint frequencies of the first three tokens match transformers' (chi-square), and proposals
     were both accepted and rejected."""
@@ -189,7 +189,7 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     prompt, temperature, draws = [1, 3, 2], 0.9, 4000
     expected = _joint_probs(checkpoint.hf_model, prompt, temperature, 3) * draws
     engine = make_engine(checkpoint.path, speculative_method="ngram", num_speculative_tokens=2, max_num_seqs=256,
-                         num_device_blocks=600, seed=123)
+                         num_device_blocks=600, seed=123, attention_backend=backend)
     engine.speculator.proposer = FixedProposer([2, 1])
     outputs = run(engine, [(prompt, SamplingParams(temperature=temperature, max_tokens=4))] * draws)
     observed = torch.zeros(TINY_VOCAB ** 3, dtype=torch.float64)
