@@ -279,9 +279,10 @@ class LLMEngine:
         groups = self.scheduler.update_from_output(out, sampled, beam_tokens)
         if self._grammars:
             self._advance_grammars(samples)
-        if out.num_draft_tokens:
+        if self.speculator is not None:
             self.speculator.observe(out)
-            self._verify_seconds += time.perf_counter() - self._scheduled_at
+            if out.num_draft_tokens:
+                self._verify_seconds += time.perf_counter() - self._scheduled_at
         return [self._step_output(g, now) for g in groups]
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, prompt: PromptLogprobs) -> None:

@@ -1,6 +1,7 @@
-"""Speculative decoding on this machine: tokens per second with and without n-gram speculation, in one run.
+"""Speculative decoding on this machine: tokens per second with and without speculation, in one run.
 
-    python -m loadtest.bench_spec [--batch-sizes 1,4,16] [--output-len 128] [--k 4] [--json results.json]
+    python -m loadtest.bench_spec [--batch-sizes 1,4,16] [--methods ngram,draft] [--output-len 128] [--k 4]
+                                  [--json results.json]
 
 The target has Qwen2-0.5B's shape and cost (24 layers, hidden 896, 14 heads / 2 KV heads, vocabulary 151936,
 tied embeddings, bfloat16), but random weights never repeat their context, so n-gram proposals would never be
@@ -12,16 +13,21 @@ the step costs what Qwen2-0.5B's costs). Its greedy text after a chain token is 
 whatever precedes it. Acceptance is measured, not assumed: it is how often the target's own greedy tokens are
 the ones the n-gram lookup found in the prompt.
 
+The draft model (``--methods draft``) is the target's first ``--draft-layers`` layers (2) with its embeddings,
+final norm and LM head: it holds layer 0's chain map, so it proposes what the target writes; its step still
+costs the full LM head (151936 x 896), about a third of the target's step.
+
 Workloads (every request greedy, ``ignore_eos``, ``--output-len`` tokens):
 
 * ``quote``: a passage of the chain, some unrelated tokens, then the passage's first token: the output quotes the
   passage (a code edit or a summary repeating its source).
 * ``mismatch``: every chain bigram the output will write appears in the prompt, each followed by two unrelated
-  tokens: every lookup proposes tokens the target rejects (acceptance 0), the case where speculation must back
-  off and cost nothing.
+  tokens: every lookup proposes tokens the target rejects (acceptance 0 for ngram), the case where speculation
+  must back off and cost nothing (the draft model knows the chain here too).
 
-For each batch size b (b requests at once) both engines run the same requests after a warm-up; the outputs are
-checked identical and the result holds tokens/s of each, their ratio, the acceptance rate (accepted / proposed
+For each batch size b (b requests at once) the plain engine and one per proposer run the same requests after a
+warm-up; the outputs are checked identical and each result holds tokens/s of plain and speculative decoding,
+their ratio, the acceptance rate (accepted / proposed
 tokens) and the mean accepted length (tokens per verification). ``--repeats`` alternates the engines and keeps
 each one's median run.
 """
@@ -50,6 +56,7 @@ _FIRST_CHAIN_ID = 1000
 class Result:
     workload: str
     batch_size: int
+    method: str  # the proposer
     tokens_per_s_plain: float
     tokens_per_s_spec: float
     speedup: float
@@ -116,36 +123,53 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
 
 
-def bench(path: str, chain: list[int], workload: str, batch_size: int, args) -> Result:
+def bench(paths: dict[str, str], chain: list[int], workload: str, batch_size: int, args) -> list[Result]:
     rng = random.Random(args.seed + batch_size)
     prompts = make_requests(workload, chain, batch_size, args.output_len, rng)
     warmup = make_requests(workload, chain, batch_size, 8, rng)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     common = dict(skip_tokenizer_init=True, attention_backend=args.backend, num_threads=args.threads,
                   max_model_len=2048, max_num_seqs=batch_size, show_progress=False)
-    engines = {"plain": LLM(path, **common),
-               "spec": LLM(path, speculative_method="ngram", num_speculative_tokens=args.k, **common)}
+    engines = {"plain": LLM(paths["target"], **common)}
+    for method in args.methods:
+        engines[method] = LLM(paths["target"], speculative_method=method, num_speculative_tokens=args.k,
+                              speculative_model=paths["draft"] if method == "draft" else None, **common)
     for llm in engines.values():
         llm.generate(prompt_token_ids=warmup, sampling_params=SamplingParams(temperature=0.0, max_tokens=8,
                                                                              ignore_eos=True), use_tqdm=False)
-    before = engines["spec"].engine.stats()
+    before = {name: llm.engine.stats() for name, llm in engines.items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     outputs = {}
     for _ in range(args.repeats):
         for name, llm in engines.items():
             seconds, outputs[name] = timed_generate(llm, prompts, params)
             times[name].append(seconds)
-    if outputs["plain"] != outputs["spec"]:
-        raise AssertionError(f"{workload}, batch {batch_size}: speculative outputs differ from plain decoding")
-    after = engines["spec"].engine.stats()
-    drafts = after.spec_decode_num_drafts_total - before.spec_decode_num_drafts_total
-    proposed = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
-    accepted = after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
     tokens = batch_size * args.output_len
-    plain, spec = (tokens / statistics.median(times[name]) for name in ("plain", "spec"))
-    return Result(workload, batch_size, round(plain, 2), round(spec, 2), round(spec / plain, 3),
-                  round(accepted / proposed, 3) if proposed else 0.0,
-                  round(1 + accepted / drafts, 2) if drafts else 0.0, drafts)
+    plain = tokens / statistics.median(times["plain"])
+    results = []
+    for method in args.methods:
+        if outputs[method] != outputs["plain"]:
+            raise AssertionError(f"{workload}, batch {batch_size}, {method}: outputs differ from plain decoding")
+        after = engines[method].engine.stats()
+        drafts, proposed, accepted = (
+            getattr(after, f) - getattr(before[method], f) for f in (
+                "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                "spec_decode_num_accepted_tokens_total"))
+        spec = tokens / statistics.median(times[method])
+        results.append(Result(workload, batch_size, method, round(plain, 2), round(spec, 2), round(spec / plain, 3),
+                              round(accepted / proposed, 3) if proposed else 0.0,
+                              round(1 + accepted / drafts, 2) if drafts else 0.0, drafts))
+    return results
+
+
+def build_draft(target: str, folder: str, num_layers: int) -> None:
+    """The target's first ``num_layers`` layers (embeddings, final norm and LM head shared) as a checkpoint."""
+    config = transformers.AutoConfig.from_pretrained(target)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, config=config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
 
 
 def main() -> None:
@@ -154,6 +178,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="quote,mismatch", help="comma list of quote, mismatch")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--methods", default="ngram,draft", help="comma list of proposers: ngram, draft")
+    parser.add_argument("--draft-layers", type=int, default=2, help="the draft model: the target's first layers")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--repeats", type=int, default=1)
@@ -162,13 +188,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = []
+    args.methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as folder:
-        chain = build_target(folder, args.seed)
+        paths = {"target": os.path.join(folder, "target"), "draft": os.path.join(folder, "draft")}
+        chain = build_target(paths["target"], args.seed)
+        if "draft" in args.methods:
+            build_draft(paths["target"], paths["draft"], args.draft_layers)
         for workload in args.workloads.split(","):
             for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-                result = bench(folder, chain, workload, batch_size, args)
-                print(json.dumps(asdict(result)), flush=True)
-                results.append(asdict(result))
+                for result in bench(paths, chain, workload, batch_size, args):
+                    print(json.dumps(asdict(result)), flush=True)
+                    results.append(asdict(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "results": results}, f, indent=2)

@@ -24,6 +24,10 @@ recomputed group's. A beam search (``engine/beam_search.py``) is one group
 of its live candidates, scheduled and preempted as one like the n samples; it
 advances once every candidate has a next-token distribution.
 
+Speculative decoding: a running decode carries its sequence's proposed tokens (``Sequence.draft_token_ids``)
+as far as the budget allows, dropped rather than preempt anyone when blocks are short; ``update_from_output``
+accepts them up to the first disagreement with the sampled tokens and truncates the rest (docs/engine.md).
+
 After the forward pass, ``update_from_output`` is the one post-step. When a
 step fails, ``recover_failed_step`` redoes what it may not have done, and
 ``isolate`` turns a failed batch's groups into suspects: preempted by

@@ -19,6 +19,9 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         return [lookup(seq.token_ids, k, self.min_n, self.max_n) for seq, k in zip(seqs, ks)]
 
+    def release_finished(self) -> None:
+        """Nothing kept between steps."""
+
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens after an earlier occurrence of the longest matching suffix n-gram: the latest one that

@@ -26,6 +26,9 @@ class Proposer(Protocol):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]: ...
 
+    def release_finished(self) -> None:
+        """Drop what it keeps for sequences that ended (after each step)."""
+
 
 @dataclass(slots=True)
 class Backoff:
@@ -99,9 +102,11 @@ class Speculator:
         self._proposed = []
 
     def observe(self, out: SchedulerOutput) -> None:
+        """After ``out``'s outputs: each verified sequence's pace, and the proposer's state of ended ones."""
         for s in out.scheduled:
             if s.draft_token_ids and s.seq.backoff is not None:
                 s.seq.backoff.observe(s.num_accepted, self.k)
+        self.proposer.release_finished()
 
 
 def make_speculator(config: EngineConfig, resolved: ResolvedConfig) -> Speculator | None:
@@ -112,5 +117,7 @@ def make_speculator(config: EngineConfig, resolved: ResolvedConfig) -> Speculato
     if spec.method == "ngram":
         proposer: Proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        raise ValueError(f"speculative_method={spec.method!r} is not supported yet")
+        from engine.spec_decode.draft_model import DraftModelProposer  # loads a model: only when asked for
+
+        proposer = DraftModelProposer(config, resolved)
     return Speculator(spec, proposer, resolved.scheduler.max_model_len)

@@ -90,6 +90,9 @@ class OracleProposer:
             proposals.append(drafts)
         return proposals
 
+    def release_finished(self) -> None:
+        """Keeps nothing per sequence."""
+
 
 def requests(count: int = 16) -> list[tuple[list[int], SamplingParams]]:
     return [(p, mixed_params(i)) for i, p in enumerate(mixed_prompts(count))]
@@ -136,6 +139,23 @@ def test_ngram_proposals_give_the_greedy_outputs(llama_checkpoint):
     assert engine.stats().spec_decode_num_drafts_total > 0
 
 
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_proposals_give_the_non_speculative_outputs(llama_checkpoint, tmp_path_factory, draft):
+    """A draft model: the target's own checkpoint (nearly every proposal accepted) or another architecture with
+    the same vocabulary (mostly rejected), under recompute preemption."""
+    path = llama_checkpoint.path if draft == "same" else build_checkpoint("qwen2", tmp_path_factory.mktemp("d")).path
+    reqs = requests(10)
+    expected = run(make_engine(llama_checkpoint.path, num_device_blocks=14), reqs)
+    engine = make_engine(llama_checkpoint.path, num_device_blocks=14, speculative_method="draft",
+                         speculative_model=path, num_speculative_tokens=3)
+    assert run(engine, reqs) == expected
+    stats = engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.spec_decode_num_drafts_total > 0
+    rate = stats.spec_decode_acceptance_rate
+    assert rate > 0.5 if draft == "same" else rate < 0.3  # greedy rows: 1.0 with the same model
+    assert not engine.speculator.proposer.kv.tables  # every followed sequence ended: the draft's blocks are free
+
+
 def test_requests_that_opt_out_get_no_proposals(llama_checkpoint):
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=20, use_speculation=False)) for p in mixed_prompts(4)]
     expected = run(make_engine(llama_checkpoint.path), reqs)
@@ -163,6 +183,9 @@ class FixedProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         return [self.drafts[:k] for k in ks]
+
+    def release_finished(self) -> None:
+        """Keeps nothing per sequence."""
 
 
 @torch.inference_mode()
@@ -201,3 +224,15 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, backend):
     observed = torch.cat([observed[keep], observed[~keep].sum(0, keepdim=True)])
     expected = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_cli_flags_configure_speculation():
+    from service.cli import build_parser, worker_config
+
+    args = build_parser().parse_args(["worker", "--speculative-method", "draft", "--speculative-model", "/d",
+                                      "--num-speculative-tokens", "3", "--ngram-prompt-lookup-max", "5"])
+    spec = worker_config(args).engine.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("draft", "/d", 3, 5)
+    assert EngineConfig().speculative_config is None
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="ngram", speculative_model="/d")
