@@ -540,6 +540,8 @@ class Scheduler:
         kv = self.kv
         for s in plan:
             seq_id = s.seq.seq_id
+            if s.draft_token_ids:
+                out.num_draft_tokens += len(s.draft_token_ids)
             copy = kv.append(seq_id, s.num_new_tokens)
             if copy is not None:
                 out.blocks_to_copy.append(copy)

@@ -62,6 +62,7 @@ class SchedulerOutput:
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposed tokens the step verifies (speculative decoding)
     # samples() and beam_samples(), built once: the engine (to sample) and update_from_output (to record)
     # both walk them.
     _samples: list[tuple[int, ScheduledSeq, Sequence]] | None = field(default=None, repr=False)
@@ -95,10 +96,6 @@ class SchedulerOutput:
         """(logits row, scheduled seq) per beam candidate whose next-token distribution is due."""
         self.samples()
         return self._beam_samples
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def num_batched_tokens(self) -> int:
