@@ -72,9 +72,10 @@ class DraftModelProposer:
         out = SchedulerOutput()
         for seq, view, step in rows:
             if step == 0:
-                done = self.kv.tables[seq.seq_id].num_computed
-                self.kv.append(seq.seq_id, seq.num_tokens - done)
-                s = ScheduledSeq(self._group, view, done, seq.num_tokens - done, True)
+                # Nothing new since the last proposal (the target did not run it): the last token again.
+                start = min(self.kv.tables[seq.seq_id].num_computed, seq.num_tokens - 1)
+                self.kv.append(seq.seq_id, seq.num_tokens - start)
+                s = ScheduledSeq(self._group, view, start, seq.num_tokens - start, True)
             else:  # slots past the final tokens, given back after the proposal
                 self.kv.append(seq.seq_id, step)
                 s = ScheduledSeq(self._group, view, seq.num_tokens + step - 1, 1, True)

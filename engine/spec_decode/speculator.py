@@ -33,12 +33,13 @@ class Proposer(Protocol):
 @dataclass(slots=True)
 class Backoff:
     """A sequence's proposal pace: ``k`` tokens next, one more than last accepted (at most the configured k).
-    Verifications that accept nothing halve it; at one, the sequence goes ``wait`` steps without proposals, and
-    the wait doubles each failed try (up to ``_MAX_WAIT``), so text that never repeats costs almost nothing."""
+    A verification that accepts nothing drops it to one token after ``wait`` steps without proposals, and the
+    wait doubles with each such failure (up to ``_MAX_WAIT``), so text that never repeats costs almost nothing:
+    each failed try verifies one extra token, ever more rarely."""
 
     k: int
     skip: int = 0
-    wait: int = 1
+    wait: int = 2
 
     def next_k(self) -> int:
         if self.skip:
@@ -48,11 +49,9 @@ class Backoff:
 
     def observe(self, num_accepted: int, k_max: int) -> None:
         if num_accepted:
-            self.k, self.wait = min(k_max, num_accepted + 1), 1
-        elif self.k > 1:
-            self.k //= 2
+            self.k, self.wait = min(k_max, num_accepted + 1), 2
         else:
-            self.skip, self.wait = self.wait, min(2 * self.wait, _MAX_WAIT)
+            self.k, self.skip, self.wait = 1, self.wait, min(2 * self.wait, _MAX_WAIT)
 
 
 class Speculator:
