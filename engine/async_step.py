@@ -45,12 +45,13 @@ class Ahead:
     sources: torch.Tensor
 
 
-def runs_ahead(out: SchedulerOutput, constrained: bool) -> bool:
+def runs_ahead(out: SchedulerOutput, constrained: bool, speculative: bool = False) -> bool:
     """Whether the step after ``out`` may be scheduled before ``out``'s tokens are known: not while a
-    structured-output request is live (its next mask needs the token), nor after a step with beam candidates
-    (a beam step reshapes the group), a fork of n > 1 samples (the children appear on the host) or prompt
-    logprobs."""
-    if constrained:
+    structured-output request is live (its next mask needs the token), nor after a step of requests that
+    speculate (their next proposals follow this step's tokens, and a verification emits several), with beam
+    candidates (a beam step reshapes the group), a fork of n > 1 samples (the children appear on the host) or
+    prompt logprobs."""
+    if constrained or speculative:
         return False
     return not any(s.forks or s.group.beam is not None or s.group.params.prompt_logprobs is not None
                    for s in out.scheduled)

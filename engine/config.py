@@ -65,6 +65,15 @@ class EngineConfig:
                                                     "CUDA; gloo on CPU), sharing one scheduler and block table")
     max_grammar_bytes: int = spec(64 << 20, low=1, help="largest compiled structured-output grammar; a request "
                                                         "over it fails alone")
+    speculative_method: str | None = spec(choices=(None, "ngram", "draft"),
+                                          help="speculative decoding: propose tokens by n-gram lookup in the "
+                                               "sequence (ngram) or with a small draft model (draft), verified in "
+                                               "the batched forward pass; output exactly as without (docs/engine.md)")
+    num_speculative_tokens: int = spec(4, low=1, high=16, help="tokens proposed per sequence and step")
+    speculative_model: str | None = spec(help="the draft model's checkpoint (speculative_method=draft), with the "
+                                              "model's tokenizer")
+    ngram_prompt_lookup_max: int = spec(4, low=1, help="longest suffix n-gram the ngram proposer looks up")
+    ngram_prompt_lookup_min: int = spec(2, low=1, help="shortest suffix n-gram the ngram proposer looks up")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:
@@ -72,3 +81,24 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1 (the ranks run the plans as rank 0 "
                              "sends them, with every input id known)")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model goes with speculative_method='draft', and only with it")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError("ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, None when off."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
+                                 self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str  # "ngram" or "draft"
+    num_speculative_tokens: int  # k: the most tokens proposed per sequence and step
+    model: str | None  # the draft model's checkpoint
+    prompt_lookup_min: int
+    prompt_lookup_max: int

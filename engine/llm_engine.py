@@ -26,6 +26,7 @@ from engine.outputs import CompletionOutput, RequestOutput, ResumeState, TokenLo
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.spec_decode.speculator import Speculator, make_speculator
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager, TokenMask, check_structured_output
 
@@ -58,6 +59,9 @@ class LLMEngine:
         self._pending: deque[tuple[SequenceGroup, ResumeState | None, Future]] = deque()
         self._grammars: dict[str, object] = {}
         self._pipeline = StepPipeline(self.runner) if config.async_scheduling else None
+        self.speculator: Speculator | None = make_speculator(config, self.config)
+        self._propose_seconds = self._verify_seconds = 0.0
+        self._scheduled_at = 0.0  # when the latest step was scheduled (the verification time of its step)
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -198,8 +202,17 @@ class LLMEngine:
             return outputs + self._recover(out, exc)
 
     def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
-        """The next step; the groups the scheduler failed go to ``outputs``."""
-        out = self.scheduler.schedule()
+        """The next step (with proposed tokens to verify when speculating); the groups the scheduler failed go
+        to ``outputs``."""
+        if self.speculator is None:
+            out = self.scheduler.schedule()
+        else:
+            started = time.perf_counter()
+            self.speculator.propose(self.scheduler.running.values())
+            self._propose_seconds += time.perf_counter() - started
+            out = self.scheduler.schedule()
+            self.speculator.discard_unscheduled()
+            self._scheduled_at = time.perf_counter()
         self._report_failed(out, outputs)
         return out
 
@@ -221,7 +234,7 @@ class LLMEngine:
                 return outputs + self._recover(out, exc)
         current = pipeline.take()
         out, ahead = current.out, None
-        if runs_ahead(out, bool(self._grammars)):
+        if runs_ahead(out, bool(self._grammars), self.speculator is not None and self._speculates(out)):
             ahead = pipeline.schedule_ahead(self.scheduler, out)
             if ahead is not None:
                 self._report_failed(ahead.out, outputs)
@@ -238,6 +251,10 @@ class LLMEngine:
             tokens = pipeline.launch_ahead(ahead, tokens)
         sampled = self._output(samples, tokens, values)
         return outputs + self._process_samples(out, logits, sampled)
+
+    def _speculates(self, out: SchedulerOutput) -> bool:
+        """Whether a request of ``out`` speculates: its next proposals read this step's tokens."""
+        return any(self.speculator.eligible(s.group) for s in out.scheduled)
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
@@ -264,6 +281,10 @@ class LLMEngine:
         groups = self.scheduler.update_from_output(out, sampled, beam_tokens)
         if self._grammars:
             self._advance_grammars(samples)
+        if self.speculator is not None:
+            self.speculator.observe(out)
+            if out.num_draft_tokens:
+                self._verify_seconds += time.perf_counter() - self._scheduled_at
         return [self._step_output(g, now) for g in groups]
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, prompt: PromptLogprobs) -> None:
@@ -424,6 +445,8 @@ class LLMEngine:
         stats = self.scheduler.stats()
         stats.grammar_mask_seconds_total = self.grammar.mask_seconds
         stats.grammar_mask_steps_total = self.grammar.mask_steps
+        stats.spec_decode_proposal_seconds_total = self._propose_seconds
+        stats.spec_decode_verification_seconds_total = self._verify_seconds
         return stats
 
     def kv_snapshot(self) -> KVSnapshot:

@@ -193,7 +193,9 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.fromlist(s.seq.token_ids[start:end])
+                drafts = s.draft_token_ids  # after the sequence's own tokens (speculative decoding)
+                input_ids.fromlist(s.seq.token_ids[start:end - len(drafts)])
+                input_ids.extend(drafts)
                 positions.extend(range(start, end))
                 _append_slots(slots, table, start, end, bs)
             if start < s.seq.num_prompt_tokens - 1 and (span := s.prompt_logprob_positions()):  # decodes: never
@@ -207,7 +209,10 @@ class ModelRunner:
             if len(table) < width:
                 block_tables.extend(repeat(0, width - len(table)))  # padding, never read
             if s.do_sample:
-                sample_rows.append(len(input_ids) - 1)
+                if s.draft_token_ids:  # a verification: logits at every position, its drafts' and the bonus one
+                    sample_rows.extend(range(len(input_ids) - 1 - len(s.draft_token_ids), len(input_ids)))
+                else:
+                    sample_rows.append(len(input_ids) - 1)
                 argmax_only = argmax_only and s.group.params.argmax_only
         meta = AttentionMetadata(
             slot_mapping=_host_tensor(slots, torch.int64),

@@ -42,6 +42,8 @@ class SamplingParams:
     best_of: int | None = spec(None, low=1)
     length_penalty: float = spec(1.0)  # a hypothesis scores cumulative logprob / length ** length_penalty
     early_stopping: bool | str = spec(False, choices=(True, False, "never"))  # transformers' semantics
+    # False: no speculative decoding for this request (its tokens come one per step) when the engine speculates.
+    use_speculation: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k == 0:

@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.beam_search import BeamState
+    from engine.spec_decode.speculator import Backoff
 
 
 class SequenceStatus(enum.Enum):
@@ -52,6 +53,10 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already returned by LLMEngine.step
     seq_id: int = field(default_factory=_seq_ids.__next__)  # unique in the process: keys the KV block tables
+    # Speculative decoding: tokens proposed to follow token_ids, verified in the next step (the scheduler takes
+    # them), and the pace of this sequence's proposals (engine/spec_decode).
+    draft_token_ids: list[int] = field(default_factory=list)
+    backoff: Backoff | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +93,36 @@ class Sequence:
         """Recompute preemption: the K/V is dropped, tokens are kept."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        self.draft_token_ids = []
+
+
+@dataclass(slots=True, frozen=True)
+class DraftView:
+    """What the sampler reads of ``seq`` as if ``drafts`` followed its tokens: a verification row's penalties,
+    min_tokens mask and seeded noise see exactly the tokens before its position, as without speculation."""
+
+    seq: Sequence
+    drafts: tuple[int, ...]
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + list(self.drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + list(self.drafts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
 
 
 @dataclass(slots=True, eq=False)

@@ -47,3 +47,22 @@ class EngineStats:
                                                  "structured-output token masks.", default=0.0)
     grammar_mask_steps_total: int = _counter("pagedserve:grammar_mask_steps", "Steps that masked constrained rows.",
                                              default=0)
+    # Speculative decoding (vLLM's names): verifications, the draft tokens they verified and accepted.
+    spec_decode_num_drafts_total: int = _counter("vllm:spec_decode_num_drafts", "Verifications of proposed "
+                                                 "tokens (a sequence's step with drafts).", default=0)
+    spec_decode_num_draft_tokens_total: int = _counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens "
+                                                       "verified.", default=0)
+    spec_decode_num_accepted_tokens_total: int = _counter("vllm:spec_decode_num_accepted_tokens", "Proposed "
+                                                          "tokens accepted.", default=0)
+    spec_decode_acceptance_rate: float = field(default=0.0, metadata={
+        "prometheus": "vllm:spec_decode_draft_acceptance_rate", "kind": "gauge",
+        "help": "Accepted / verified proposed tokens (0-1)."})
+    spec_decode_mean_accepted_length: float = field(default=0.0, metadata={
+        "prometheus": "pagedserve:spec_decode_mean_accepted_length", "kind": "gauge",
+        "help": "Tokens a verification emits on average: 1 + accepted drafts."})
+    # Set by the engine: seconds proposing (n-gram lookup, draft model) and in steps that verified drafts.
+    spec_decode_proposal_seconds_total: float = _counter("pagedserve:spec_decode_proposal_seconds", "Seconds "
+                                                         "proposing tokens.", default=0.0)
+    spec_decode_verification_seconds_total: float = _counter("pagedserve:spec_decode_verification_seconds",
+                                                             "Seconds in steps that verified proposed tokens.",
+                                                             default=0.0)

@@ -154,6 +154,14 @@ class ContiguousKVCacheManager:
             raise RuntimeError(f"sequence {seq_id} outgrew its reservation of {run.reserved_len} tokens")
         run.num_slots = max(run.num_slots, target)
 
+    def truncate(self, seq_id: int, num_slots: int) -> None:
+        """Give back claimed slots past ``num_slots``; the reservation stays the run's."""
+        run = self.tables[seq_id]
+        if not run.num_computed <= num_slots <= run.num_slots:
+            raise ValueError(f"sequence {seq_id}: truncate to {num_slots} slots outside "
+                             f"[{run.num_computed}, {run.num_slots}]")
+        run.num_slots = num_slots
+
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError(f"{self.policy} shares no blocks: parallel sampling (n > 1) needs the paged allocator")
 

@@ -2,7 +2,8 @@
 
 The three primitives of the paper: ``fork`` (share all blocks, ref+1),
 ``append`` (claim slots for new tokens; a new block only when the last one is
-full; copy-on-write when the last block is shared) and ``free``. Plus prefix
+full; copy-on-write when the last block is shared) and ``free``; ``truncate``
+rolls back a speculative step's rejected slots. Plus prefix
 cache lookup at admission, hash registration of newly-full computed blocks,
 and whole-sequence swap between the pools. With a sliding window, blocks wholly
 behind it are released as the sequence advances (``None`` in the table).
@@ -166,6 +167,26 @@ class KVCacheManager:
             pool.set_fill(block, min(bs, target - j * bs), block.num_computed)
         table.num_slots = target
         return copy
+
+    def truncate(self, seq_id: int, num_slots: int) -> None:
+        """Give back the claimed slots past ``num_slots`` (a speculative step's rejected tokens); blocks left
+        empty return to the pool. Only reserved slots go: computed (hence possibly hashed) ones are final, and
+        the slots given back were claimed by ``append`` in blocks this sequence alone holds (copy-on-write)."""
+        table = self.tables[seq_id]
+        if not table.num_computed <= num_slots <= table.num_slots:
+            raise ValueError(f"sequence {seq_id}: truncate to {num_slots} slots outside "
+                             f"[{table.num_computed}, {table.num_slots}]")
+        bs, pool = self.block_size, self.device_pool
+        keep = cdiv(num_slots, bs)
+        while len(table.blocks) > keep:
+            block = table.blocks.pop()
+            table.block_ids.pop()
+            pool.set_fill(block, 0, 0)
+            pool.decref(block)
+        if num_slots % bs:
+            last = table.blocks[-1]
+            pool.set_fill(last, num_slots % bs, last.num_computed)
+        table.num_slots = num_slots
 
     def _copy_on_write(self, table: BlockTable) -> tuple[int, int]:
         old = table.blocks[-1]

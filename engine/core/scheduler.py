@@ -27,6 +27,10 @@ recomputed group's. A beam search (``engine/beam_search.py``) is one group
 of its live candidates, scheduled and preempted as one like the n samples; it
 advances once every candidate has a next-token distribution.
 
+Speculative decoding: a running decode carries its sequence's proposed tokens (``Sequence.draft_token_ids``)
+as far as the budget allows, dropped rather than preempt anyone when blocks are short; ``update_from_output``
+accepts them up to the first disagreement with the sampled tokens and truncates the rest (docs/engine.md).
+
 After the forward pass, ``update_from_output`` is the one post-step. When a
 step fails, ``recover_failed_step`` redoes what it may not have done, and
 ``isolate`` turns a failed batch's groups into suspects: preempted by
@@ -68,6 +72,25 @@ def _pending_forks(group: SequenceGroup) -> int:
     return group.params.num_seqs - len(group.seqs)
 
 
+def _attach_drafts(s: ScheduledSeq, room: int) -> None:
+    """Move the sequence's proposed tokens onto its decode, as many as ``room`` tokens of budget allow."""
+    seq = s.seq
+    drafts, seq.draft_token_ids = seq.draft_token_ids, []
+    if s.do_sample and s.num_new_tokens == 1 and room > 0:
+        s.draft_token_ids = tuple(drafts[:room])
+        s.num_new_tokens += len(s.draft_token_ids)
+
+
+def _drop_drafts(plan: list[ScheduledSeq]) -> int:
+    """Plain decodes again, the plan's drafts dropped (memory is tight); returns how many tokens that saves."""
+    dropped = 0
+    for s in plan:
+        dropped += len(s.draft_token_ids)
+        s.num_new_tokens -= len(s.draft_token_ids)
+        s.draft_token_ids = ()
+    return dropped
+
+
 def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
     if config.kv_allocator == "paged":
         return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
@@ -101,6 +124,10 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self.num_prompt_tokens = 0  # of every group added
         self.num_generated_tokens = 0
+        # Speculative decoding: verifications (steps of a sequence with drafts), drafts verified, drafts accepted.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
@@ -217,9 +244,16 @@ class Scheduler:
         fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the sequences
         that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
         it is over), in schedule order."""
+        samples = out.samples()
+        if out.num_draft_tokens:
+            self._verify(samples, sampled.token_ids)
         self.mark_computed(out)
         groups: dict[SequenceGroup, None] = {}  # an ordered set
-        for (_, s, seq), token, logprobs in zip(out.samples(), sampled.token_ids, sampled.logprobs, strict=True):
+        for (_, s, seq), token, logprobs in zip(samples, sampled.token_ids, sampled.logprobs, strict=True):
+            if s.draft_token_ids:  # a verification: its first 1 + num_accepted tokens are the sequence's
+                if seq is not s.seq and len(seq.drafts) > s.num_accepted:
+                    continue
+                seq = s.seq
             if seq.status is RUNNING:  # not finished or aborted meanwhile
                 seq.append_token(token, logprobs)
                 self._check_stop(s.group, seq, token)
@@ -228,6 +262,28 @@ class Scheduler:
         if out.beam_samples():
             self._record_beams(out.beam_samples(), beam_tokens, groups)
         return list(groups)
+
+    def _verify(self, samples: list[tuple[int, ScheduledSeq, Sequence]], tokens: list[int]) -> None:
+        """Each verification keeps its drafts up to the first one the target's own token at that position
+        differs from (that token replaces it; all accepted, the last row's token is a bonus); the rejected
+        drafts' slots are given back."""
+        i = 0
+        while i < len(samples):
+            s = samples[i][1]
+            drafts = s.draft_token_ids
+            if not drafts:
+                i += 1
+                continue
+            accepted = 0
+            while accepted < len(drafts) and tokens[i + accepted] == drafts[accepted]:
+                accepted += 1
+            s.num_accepted = accepted
+            if s.seq.status is RUNNING:
+                self.kv.truncate(s.seq.seq_id, s.start + 1 + accepted)
+            self.num_spec_drafts += 1
+            self.num_spec_draft_tokens += len(drafts)
+            self.num_spec_accepted_tokens += accepted
+            i += len(drafts) + 1
 
     def _record_beams(self, samples: list[tuple[int, ScheduledSeq]], tokens: beam_search.TopTokens,
                       groups: dict[SequenceGroup, None]) -> None:
@@ -279,7 +335,8 @@ class Scheduler:
             seq = s.seq
             if seq.status is not RUNNING:
                 continue
-            seq.num_computed_tokens = done = s.start + s.num_new_tokens
+            done = s.start + s.num_new_tokens - len(s.draft_token_ids) + s.num_accepted
+            seq.num_computed_tokens = done
             mark_computed(seq.seq_id, done, seq.token_ids, register)
             for child in s.forks:
                 self._fork(s.group, seq, child)
@@ -316,6 +373,9 @@ class Scheduler:
                 continue
             if not roomy and not kv.fits_without_counting(num_tokens, len(plan)):  # tight: count exactly
                 need = kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
+                if need > kv.num_free_blocks and any(s.draft_token_ids for s in plan):  # drafts never preempt
+                    num_tokens -= _drop_drafts(plan)
+                    need = kv.num_new_blocks([(s.seq.seq_id, s.num_new_tokens) for s in plan])
                 if need > kv.num_free_blocks and not self._make_room(group, need, out):
                     break
             self._commit(group, plan, out)
@@ -496,8 +556,11 @@ class Scheduler:
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
             if num_new <= 0:
                 break
-            plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == len(seq.token_ids)))
-            total += num_new
+            s = ScheduledSeq(group, seq, start, num_new, start + num_new == len(seq.token_ids))
+            if seq.draft_token_ids:
+                _attach_drafts(s, budget - total - num_new)
+            plan.append(s)
+            total += s.num_new_tokens
         return plan, total
 
     def _make_room(self, group: SequenceGroup, need: int, out: SchedulerOutput) -> bool:
@@ -513,6 +576,8 @@ class Scheduler:
         kv = self.kv
         for s in plan:
             seq_id = s.seq.seq_id
+            if s.draft_token_ids:
+                out.num_draft_tokens += len(s.draft_token_ids)
             copy = kv.append(seq_id, s.num_new_tokens)
             if copy is not None:
                 out.blocks_to_copy.append(copy)
@@ -530,6 +595,8 @@ class Scheduler:
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
+        for seq in seqs:
+            seq.draft_token_ids = []  # proposed for a step it is not in
         swap = not recompute and self.config.preemption_mode == "swap"
         if swap and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
@@ -623,7 +690,13 @@ class Scheduler:
             prompt_tokens_total=self.num_prompt_tokens, generation_tokens_total=self.num_generated_tokens,
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
-            num_window_released_blocks_total=kv.num_window_released_blocks)
+            num_window_released_blocks_total=kv.num_window_released_blocks,
+            spec_decode_num_drafts_total=self.num_spec_drafts,
+            spec_decode_num_draft_tokens_total=self.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.num_spec_accepted_tokens,
+            spec_decode_acceptance_rate=self.num_spec_accepted_tokens / max(self.num_spec_draft_tokens, 1),
+            spec_decode_mean_accepted_length=(1 + self.num_spec_accepted_tokens / self.num_spec_drafts
+                                              if self.num_spec_drafts else 0.0))
 
     def kv_snapshot(self, stats: EngineStats) -> KVSnapshot:
         """The KV pools block by block, the requests holding blocks (running, swapped) and the first

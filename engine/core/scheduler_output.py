@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence, SequenceGroup
+from engine.sequence import DraftView, Sequence, SequenceGroup
 
 
 @dataclass(slots=True)
@@ -17,6 +17,10 @@ class ScheduledSeq:
     the non-final chunks of a chunked prefill). ``forks`` are the children a
     group of n > 1 samples forks once its prompt is in: they share its blocks
     and draw their first tokens from this sequence's logits.
+
+    Speculative decoding: a decode may carry ``draft_token_ids``, proposed to follow its last token; they are the
+    step's last tokens (counted in ``num_new_tokens``, their slots claimed) and each position gets logits, so the
+    step verifies them. ``num_accepted`` drafts survive (``Scheduler.update_from_output``); the rest roll back.
     """
 
     group: SequenceGroup
@@ -26,6 +30,8 @@ class ScheduledSeq:
     do_sample: bool
     block_table: list[int] = field(default_factory=list)
     forks: tuple[Sequence, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
+    num_accepted: int = 0
 
     def prompt_logprob_positions(self) -> range:
         """This chunk's positions whose logits score the next prompt token (``SamplingParams.prompt_logprobs``):
@@ -56,24 +62,34 @@ class SchedulerOutput:
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposed tokens the step verifies (speculative decoding)
     # samples() and beam_samples(), built once: the engine (to sample) and update_from_output (to record)
     # both walk them.
     _samples: list[tuple[int, ScheduledSeq, Sequence]] | None = field(default=None, repr=False)
     _beam_samples: list[tuple[int, ScheduledSeq]] = field(default_factory=list, repr=False)
 
     def samples(self) -> list[tuple[int, ScheduledSeq, Sequence]]:
-        """(logits row, scheduled seq, sequence) per token to draw, in the sampler's order:
-        row r is the r-th ``do_sample`` sequence, shared by the children it forks. Beam
-        candidates are not drawn (``beam_samples``). Call it once scheduling is over (the list is kept)."""
+        """(logits row, scheduled seq, sequence) per token to draw, in the sampler's order: the ``do_sample``
+        sequences' rows in schedule order, a row shared by the children it forks, a verification's 1 + k rows
+        consecutive (its draft rows' sequence a ``DraftView``). Beam candidates are not drawn
+        (``beam_samples``). Call it once scheduling is over (the list is kept)."""
         if self._samples is None:
             self._samples = []
-            rows = (s for s in self.scheduled if s.do_sample)
-            for row, s in enumerate(rows):
+            row = 0
+            for s in self.scheduled:
+                if not s.do_sample:
+                    continue
                 if s.group.beam is not None:
                     self._beam_samples.append((row, s))
-                    continue
-                self._samples.append((row, s, s.seq))
-                self._samples += [(row, s, child) for child in s.forks]
+                elif s.draft_token_ids:
+                    drafts = s.draft_token_ids
+                    self._samples.append((row, s, s.seq))
+                    self._samples += [(row + j, s, DraftView(s.seq, drafts[:j])) for j in range(1, len(drafts) + 1)]
+                    row += len(drafts)
+                else:
+                    self._samples.append((row, s, s.seq))
+                    self._samples += [(row, s, child) for child in s.forks]
+                row += 1
         return self._samples
 
     def beam_samples(self) -> list[tuple[int, ScheduledSeq]]:

@@ -254,3 +254,66 @@ def test_fork_and_swap_keep_released_blocks_released():
     kv.free(0)
     kv.free(1)
     assert kv.num_free_blocks == 16
+
+
+# -- truncate: a speculative step's rejected tokens roll back ----------------------------------------------------
+def _speculate(kv: KVCacheManager, seq_id: int, tokens: list[int], drafts: list[int], accepted: int) -> None:
+    """One verification step of ``drafts`` after ``tokens`` (the last one sampled, without K/V): K/V is written
+    for the last token and every draft, ``accepted`` drafts are kept and the rest rolled back."""
+    kv.append(seq_id, 1 + len(drafts))
+    final = tokens + drafts[:accepted]
+    kv.truncate(seq_id, len(final))
+    kv.mark_computed(seq_id, len(final), final)
+    check_kv_invariants(kv)
+
+
+def test_truncate_returns_blocks_only_rejected_drafts_filled():
+    kv = _manager()
+    tokens = list(range(7))
+    _prefill(kv, 0, tokens[:6])
+    free = kv.num_free_blocks
+    kv.append(0, 1 + 5)  # slots up to 12: a third block
+    assert kv.num_free_blocks == free - 1 and kv.stats().num_reserved_slots == 6
+    kv.truncate(0, 7)
+    kv.mark_computed(0, 7, tokens)
+    assert kv.num_free_blocks == free and len(kv.block_ids(0)) == 2
+    stats = kv.stats()
+    assert (stats.num_tokens_stored, stats.num_reserved_slots, stats.num_internal_frag_slots) == (7, 0, 1)
+    check_kv_invariants(kv)
+
+
+def test_only_accepted_tokens_are_hashed():
+    kv = _manager()
+    tokens = list(range(7))
+    _prefill(kv, 0, tokens[:6])
+    _speculate(kv, 0, tokens, [50, 51, 52, 53, 54], accepted=0)  # the drafts filled block 1: not registered
+    assert len(kv.find_cached_prefix(tokens[:7] + [50, 99], None)) == 1
+    _speculate(kv, 0, tokens + [60], [61, 62, 63], accepted=2)  # 10 final tokens: block 1 is full and final
+    assert len(kv.find_cached_prefix(tokens + [60, 61, 62, 99], None)) == 2
+    assert len(kv.find_cached_prefix(tokens + [50, 51, 52, 99], None)) == 1
+
+
+def test_truncate_after_copy_on_write_leaves_the_shared_block_alone():
+    kv = _manager()
+    parent_table = _prefill(kv, 0, list(range(6)))
+    kv.fork(0, 1)
+    assert kv.append(1, 1 + 4) == (parent_table[1], 2)  # the child writes into its own copy
+    kv.truncate(1, 7)
+    kv.mark_computed(1, 7, list(range(6)) + [9])
+    assert kv.block_ids(1) == [parent_table[0], 2] and kv.block_ids(0) == parent_table
+    assert _refs(kv, parent_table) == [2, 1]
+    assert kv.device_pool.blocks[parent_table[1]].num_slots == 2  # the parent's fill is untouched
+    check_kv_invariants(kv)
+    kv.free(0)
+    kv.free(1)
+    assert kv.num_free_blocks == 16
+
+
+def test_truncate_never_drops_computed_or_unclaimed_slots():
+    kv = _manager()
+    _prefill(kv, 0, list(range(6)))
+    kv.append(0, 3)
+    with pytest.raises(ValueError, match="truncate"):
+        kv.truncate(0, 5)  # below the computed tokens
+    with pytest.raises(ValueError, match="truncate"):
+        kv.truncate(0, 10)  # beyond the claimed slots

@@ -14,11 +14,12 @@ ENGINE_GAUGES = {
     "pagedserve:num_blocks_free", "pagedserve:num_blocks_cached", "pagedserve:num_blocks_used",
     "pagedserve:num_cpu_blocks_total", "pagedserve:num_cpu_blocks_used", "pagedserve:kv_tokens_stored",
     "pagedserve:kv_reserved_slots", "pagedserve:kv_internal_frag_slots", "pagedserve:kv_external_frag_slots",
-    "pagedserve:kv_free_slots",
+    "pagedserve:kv_free_slots", "vllm:spec_decode_draft_acceptance_rate", "pagedserve:spec_decode_mean_accepted_length",
 }
 ENGINE_COUNTERS = {
     "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
     "vllm:generation_tokens", "pagedserve:num_swapped_out_blocks", "pagedserve:num_swapped_in_blocks",
+    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
 }
 
 
