@@ -118,7 +118,6 @@ def test_engine_greedy_answers_equal_transformers(tokenizer) -> None:
     assert outputs[0].outputs[0].text == "17 plus 25 is 42."
 
 
-@pytest.mark.slow
 def test_training_is_reproducible(tmp_path) -> None:
     """Two short runs with one seed write the same weights; a continued run (``--init``) keeps the tokenizer;
     each folder is a loadable checkpoint."""
