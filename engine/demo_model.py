@@ -1,8 +1,8 @@
-"""The built-in demo checkpoint: a small random-weight Llama with a byte-level tokenizer.
+"""The built-in demo checkpoint: a small Llama trained on templated dialogues, shipped in the package.
 
-It is a real Hugging Face folder (``transformers.AutoModelForCausalLM`` and
-``AutoTokenizer`` load it), written without importing transformers so it takes
-well under a second. It generates noise: the weights are random.
+``engine/demo/checkpoint`` holds it (weights stored in bf16, run in fp32 as ``config.json`` says); the recipe
+that made it is ``python -m engine.demo.train`` (docs/demo_model.md). It answers sums, spells words and names
+days and months; beyond that it knows nothing.
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import tempfile
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
+CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "checkpoint")
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "demo-model")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 # ChatML as Qwen2.5 / Qwen3 write it: plain messages as <|im_start|>role\ncontent<|im_end|>; with tools, a system
 # turn listing them in <tools></tools> (Hermes style), an assistant's calls as <tool_call>{json}</tool_call>,
 # tool results as <tool_response> inside a user turn; enable_thinking=false closes an empty <think> block.
@@ -57,15 +58,16 @@ CHAT_TEMPLATE = "".join([
     "{%- endif -%}",
 ])
 # Written into the folder: a folder of an older version (another template, other weights) is rewritten.
-DEMO_VERSION = "2"
-SEED = 1234
+DEMO_VERSION = "3"
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE, MAX_POSITIONS = 256, 4, 4, 2, 688, 2048
-VOCAB = 256 + len(SPECIAL_TOKENS)
-EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+VOCAB = 512
+PAD_ID, EOS_ID = SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "model.safetensors")
 
 
 def ensure_demo_model(path: str | None = None) -> str:
-    """Write the demo model once (``PAGEDSERVE_DEMO_MODEL_DIR`` overrides the default folder); return its folder."""
+    """Install the demo model once (``PAGEDSERVE_DEMO_MODEL_DIR`` overrides the default folder); return its folder."""
     path = path or os.environ.get("PAGEDSERVE_DEMO_MODEL_DIR") or DEFAULT_DIR
     if not os.path.isfile(os.path.join(path, "model.safetensors")) or _version(path) != DEMO_VERSION:
         write_demo_model(path)
@@ -81,14 +83,14 @@ def _version(path: str) -> str | None:
 
 
 def write_demo_model(path: str) -> str:
-    """Write into a temporary sibling folder, then rename, so concurrent writers never see half a model."""
+    """Copy the shipped checkpoint into a temporary sibling folder, then rename, so concurrent writers never
+    see half a model."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".demo-model-", dir=parent)
     try:
-        _write_config(tmp)
-        _write_tokenizer(tmp)
-        save_file(_random_weights(), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for name in CHECKPOINT_FILES:
+            shutil.copyfile(os.path.join(CHECKPOINT_DIR, name), os.path.join(tmp, name))
         with open(os.path.join(tmp, "demo_version"), "w") as f:
             f.write(DEMO_VERSION + "\n")
         _make_readable(tmp)
@@ -103,61 +105,34 @@ def write_demo_model(path: str) -> str:
     return path
 
 
-def _write_config(folder: str) -> None:
-    config = {
+def llama_config() -> dict:
+    """The demo model's ``config.json``: fp32 compute (the weights are stored in bf16 to halve the file)."""
+    return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "bos_token_id": None, "eos_token_id": EOS_ID, "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>") + 256,
-        "torch_dtype": "float32",
+        "bos_token_id": None, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "torch_dtype": "float32",
     }
-    _write_json(os.path.join(folder, "config.json"), config)
+
+
+def save_checkpoint(folder: str, tokenizer: Tokenizer, weights: dict[str, torch.Tensor]) -> None:
+    """A Hugging Face folder: config, ChatML tokenizer, and the weights rounded to bf16."""
+    os.makedirs(folder, exist_ok=True)
+    _write_json(os.path.join(folder, "config.json"), llama_config())
     _write_json(os.path.join(folder, "generation_config.json"), {"eos_token_id": EOS_ID, "bos_token_id": None})
-
-
-def _write_tokenizer(folder: str) -> None:
-    byte_chars = _bytes_to_unicode()
-    tokenizer = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     _write_json(os.path.join(folder, "tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": MAX_POSITIONS,
         "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
     })
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte-level BPE convention: printable bytes map to themselves, the rest to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-
-
-def _random_weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(SEED)
-    head_dim = HIDDEN // HEADS
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (HEADS * head_dim, HIDDEN),
-                   p + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   p + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   p + "self_attn.o_proj.weight": (HIDDEN, HEADS * head_dim),
-                   p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-                   p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE)}
-    weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
-    norms = [f"model.layers.{i}.{n}.weight" for i in range(LAYERS) for n in ("input_layernorm", "post_attention_layernorm")]
-    weights |= {name: torch.ones(HIDDEN) for name in [*norms, "model.norm.weight"]}
-    return weights
+    bf16 = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in weights.items()}
+    save_file(bf16, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _make_readable(folder: str) -> None:
-    # mkdtemp and safetensors create owner-only entries; the model is shared data.
+    # mkdtemp creates an owner-only folder; the model is shared data.
     os.chmod(folder, 0o755)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), 0o644)

@@ -4,7 +4,7 @@
 
 Model: ``bench_offline``'s llama-19m (random weights, fp32, ``--threads`` 2) with a byte-level BPE tokenizer trained
 here, in about a second, on the Python standard library's sources up to the model's 32000-token vocabulary: xgrammar
-needs each token's string, and the per-step mask fill scales with the vocabulary, so the demo model's 259 bytes would
+needs each token's string, and the per-step mask fill scales with the vocabulary, so the demo model's 512 tokens would
 flatter it. EOS is the tokenizer's ``</s>``. Prompts are ``bench_offline``'s Alpaca-like random token ids, all
 submitted at once (``--num-requests`` concurrent sequences, 64 by default), decoded greedily.
 

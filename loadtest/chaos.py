@@ -18,7 +18,7 @@ requests that were in flight across a worker fault: the client cannot see an own
 counts the requests a resume may have carried, an upper bound), hung (no end within the request
 deadline), and the tokens duplicated and lost: each completed text is diffed with its undisturbed
 one (a failed request's partial text with the undisturbed prefix), counted in characters of text
-(the demo tokenizer is byte-level: a character is one token for ASCII). A Redis restart loses the
+(the demo model's answers are ASCII, a few characters per token). A Redis restart loses the
 queue and every record (no persistence); workers and gateways write back what they hold, so requests in
 flight complete, except one whose engine dies before its first checkpoint after the restart (an error,
 never a hang or wrong text). New requests sent before any engine beat again are refused with a 503.

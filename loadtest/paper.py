@@ -2,7 +2,7 @@
 
     python -m loadtest.paper --json results/paper.json --plots results/paper [--quick]
 
-One model (the demo checkpoint: a 19M-parameter Llama, fp32, 4 KiB of KV per
+One model (the demo checkpoint: a 3M-parameter Llama, fp32, 4 KiB of KV per
 token), one KV budget, the same synthetic traces (``loadtest.paper_workloads``)
 for every allocator: ``paged`` and the paper's Orca baselines
 ``contiguous-oracle``, ``contiguous-pow2``, ``contiguous-max``.

@@ -13,7 +13,7 @@ import random
 from loadtest.bench_offline import WORKLOADS, lognormal_lengths
 from loadtest.paper_sim import TraceRequest
 
-VOCAB = 256  # the demo model's byte vocabulary, so a trace also runs on the real engine
+VOCAB = 256  # token ids below the demo model's vocabulary (512), so a trace also runs on the real engine
 # Shared-prefix (few-shot translation) requests: the per-request sentence and its
 # translation, log-normal (mean, sigma, cap) like the other workloads.
 TRANSLATION = ((24, 0.5, 128), (24, 0.5, 128))

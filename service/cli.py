@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help, _, _) in _COMMANDS.items():
         _add_flags(sub.add_parser(name, help=help, description=help), name)
     demo = sub.add_parser("demo-model", help="write the demo checkpoint to PATH", description="write the demo "
-                          "checkpoint (random weights, byte-level tokenizer; it generates noise) to PATH")
+                          "checkpoint (a small Llama trained on templated dialogues: sums, spelling, weekdays) to PATH")
     demo.add_argument("path", metavar="PATH")
     chat_help = "chat with a running server in the terminal (streaming, history, /reset)"
     chat_parser = sub.add_parser("chat", help=chat_help, description=f"{chat_help}: {chat.HELP}")

@@ -99,7 +99,7 @@ def stack(demo_model: str) -> Iterator[LocalStack]:
 @pytest.fixture(scope="session")
 def roomy_stack(demo_model: str) -> Iterator[LocalStack]:
     """One gateway and one worker whose KV pool holds several long requests at once (the structured-output
-    and tools tests: a tools listing alone is ~700 tokens of the byte-level demo tokenizer)."""
+    and tools tests: a tools listing alone is ~860 tokens of the demo tokenizer, which never saw JSON)."""
     roomy = replace(ENGINE, num_device_blocks=512)
     with local_stack(demo_model, num_workers=1, num_gateways=1, engine=roomy) as stack:
         stack.wait_ready(START_TIMEOUT_S)

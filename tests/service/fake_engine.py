@@ -16,7 +16,7 @@ FAIL_ON_STEP = 15  # ... and with this one, the next step fails the request (as 
 
 class FakeEngine:
     """The LLMEngine API in miniature: each step emits one token per request
-    (66, 67, ... : "B", "C", ... in the demo tokenizer); a resumed request continues the count
+    (66, 67, ...); a resumed request continues the count
     after its delivered tokens (``resumed`` records each ResumeState)."""
 
     max_model_len = 2048

@@ -8,13 +8,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.service.conftest import API_KEY, MODEL_NAME, get_json
 
-PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world" in the demo's byte vocabulary
+PROMPT_TEXT = "Hello, world"  # sent as token ids
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def prompt(demo_model: str) -> list[int]:
+    return AutoTokenizer.from_pretrained(demo_model).encode(PROMPT_TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +39,20 @@ def hf_beams(demo_model: str):
 
 
 @pytest.mark.parametrize("n, best_of, length_penalty, early_stopping", [(2, 4, 1.0, False), (3, None, 0.5, "never")])
-def test_completions_return_the_best_beams(client, hf_beams, demo_model, n, best_of, length_penalty, early_stopping):
+def test_completions_return_the_best_beams(client, hf_beams, demo_model, prompt, n, best_of, length_penalty,
+                                           early_stopping):
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
     extra = {"use_beam_search": True, "length_penalty": length_penalty, "early_stopping": early_stopping,
              "ignore_eos": True} | ({"best_of": best_of} if best_of else {})
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=n, max_tokens=MAX_TOKENS, extra_body=extra)
-    beams = hf_beams(PROMPT, best_of or n, length_penalty=length_penalty, early_stopping=early_stopping)[:n]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, n=n, max_tokens=MAX_TOKENS, extra_body=extra)
+    beams = hf_beams(prompt, best_of or n, length_penalty=length_penalty, early_stopping=early_stopping)[:n]
     choices = sorted(out.choices, key=lambda c: c.index)
     assert [c.index for c in choices] == list(range(n))
     assert [c.text for c in choices] == [tokenizer.decode(b, skip_special_tokens=True) for b in beams]
     assert all(c.finish_reason == "length" for c in choices)
     # Every generated token once per returned choice.
     assert out.usage.completion_tokens == sum(len(b) for b in beams)
-    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.usage.prompt_tokens == len(prompt)
 
 
 def test_chat_returns_n_beams(client):
@@ -64,15 +70,15 @@ def test_chat_returns_n_beams(client):
     ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
     ({"best_of": 4}, "best_of"),  # best_of != n needs beam search
 ])
-def test_invalid_beam_requests_are_400(client, extra, param):
+def test_invalid_beam_requests_are_400(client, prompt, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=3, max_tokens=4, extra_body=extra)
+        client.completions.create(model=MODEL_NAME, prompt=prompt, n=3, max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == param
 
 
-def test_streaming_beam_search_is_a_clear_400(client):
+def test_streaming_beam_search_is_a_clear_400(client, prompt):
     with pytest.raises(openai.BadRequestError, match="cannot be streamed") as err:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, stream=True,
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, stream=True,
                                   extra_body={"use_beam_search": True})
     assert err.value.body["param"] == "use_beam_search"
 

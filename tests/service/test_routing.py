@@ -101,9 +101,11 @@ def wait_for_summary(stack: LocalStack, prompt: list[int]) -> int:
 def test_follow_ups_go_to_the_engine_that_caches_the_prefix(routed_stack: LocalStack) -> None:
     assert complete(routed_stack, PREFIX + [1])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     first = wait_for_summary(routed_stack, PREFIX + [1])
-    for suffix in range(2, 8):  # pulled from a shared queue, about half would land on the other engine
-        usage = complete(routed_stack, PREFIX + [suffix, 5])["usage"]
-        assert usage["prompt_tokens_details"]["cached_tokens"] == 160
+    # Pulled from a shared queue, about half would land on the other engine (at most one miss of ten: 1% by
+    # chance). One miss is allowed: a heartbeat late on a loaded machine makes the gateway route nowhere once.
+    cached = [complete(routed_stack, PREFIX + [suffix, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for suffix in range(2, 12)]
+    assert sorted(cached)[1:] == [160] * 9, cached
     assert holder(routed_stack, PREFIX + [1])[0] == first
 
 

@@ -83,16 +83,16 @@ async def test_lm_eval_loglikelihood_matches_transformers(client, tokenizer, ref
                 assert score == pytest.approx(sum(reference_logprobs(reference, prompt)[len(context) - 1:]), abs=1e-3)
 
 
-async def test_echo_prepends_the_prompt(client) -> None:
+async def test_echo_prepends_the_prompt(client, tokenizer) -> None:
     plain = (await post(client, "/v1/completions", {**GREEDY, "prompt": "paged", "max_tokens": 4, "logprobs": 0}))[1]
     echoed = (await post(client, "/v1/completions", {**GREEDY, "prompt": "paged", "max_tokens": 4, "echo": True,
                                                      "logprobs": 0}))[1]
     generated, choice = plain["choices"][0], echoed["choices"][0]
     assert choice["text"] == "paged" + generated["text"]
-    lp = choice["logprobs"]
-    assert lp["tokens"] == list("paged") + generated["logprobs"]["tokens"]
-    assert lp["text_offset"][5:] == [o + 5 for o in generated["logprobs"]["text_offset"]]
-    assert lp["token_logprobs"][5:] == pytest.approx(generated["logprobs"]["token_logprobs"])
+    lp, prompt = choice["logprobs"], [tokenizer.decode([t]) for t in tokenizer.encode("paged")]
+    assert lp["tokens"] == prompt + generated["logprobs"]["tokens"]
+    assert lp["text_offset"][len(prompt):] == [o + 5 for o in generated["logprobs"]["text_offset"]]
+    assert lp["token_logprobs"][len(prompt):] == pytest.approx(generated["logprobs"]["token_logprobs"])
     assert echoed["usage"] == plain["usage"]
     no_logprobs = (await post(client, "/v1/completions", {**GREEDY, "prompt": "paged", "max_tokens": 4, "echo": True}))[1]
     assert no_logprobs["choices"][0]["text"] == choice["text"] and no_logprobs["choices"][0]["logprobs"] is None
@@ -163,11 +163,13 @@ async def test_auth_covers_the_tokenizer_routes(tokenizer) -> None:
             assert (await client.post(route, json=body, headers={"Authorization": "Bearer k"})).status == 200
 
 
-async def test_logit_bias_steers_and_is_checked_against_the_vocabulary(client) -> None:
+async def test_logit_bias_steers_and_is_checked_against_the_vocabulary(client, tokenizer) -> None:
+    (a_id,) = tokenizer.encode("A", add_special_tokens=False)
     status, body = await post(client, "/v1/completions", {**GREEDY, "prompt": "a", "max_tokens": 3,
-                                                          "logit_bias": {"65": 100}})
+                                                          "logit_bias": {str(a_id): 100}})
     assert status == 200 and body["choices"][0]["text"] == "AAA"
-    status, error = await post(client, "/v1/completions", {**GREEDY, "prompt": "a", "logit_bias": {"259": 1}})
+    status, error = await post(client, "/v1/completions", {**GREEDY, "prompt": "a",
+                                                           "logit_bias": {str(len(tokenizer)): 1}})
     assert status == 400 and error["error"]["param"] == "logit_bias"
 
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from engine.demo_model import VOCAB
 from service.assembler import OutputAssembler
 from service.messages import ChoiceDelta
 from service.tokenization import IncrementalDetokenizer, StopStringFilter, encode_chat
@@ -33,7 +34,7 @@ def test_multibyte_characters_split_across_tokens(tokenizer) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 258), max_size=40), st.lists(st.integers(0, 255), min_size=1, max_size=8))
+@given(st.lists(st.integers(0, VOCAB - 1), max_size=40), st.lists(st.integers(0, 255), min_size=1, max_size=8))
 def test_stream_equals_whole_decode(tokenizer, ids: list[int], prompt: list[int]) -> None:
     assert "".join(stream_text(tokenizer, prompt, ids)) == tokenizer.decode(ids, skip_special_tokens=True)
 
