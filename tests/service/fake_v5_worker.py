@@ -19,8 +19,14 @@ ENGINE_ID, INCARNATION = "fake", "1"
 BEAT_S = 0.25  # well within the beat's 5 s TTL
 
 
-def expected_text(max_tokens: int) -> str:
-    return "".join(chr(65 + i % 26) for i in range(max_tokens))
+def token_id(index: int) -> int:
+    """The token this worker sends at ``index``: 26 ids in turn."""
+    return 65 + index % 26
+
+
+def expected_text(max_tokens: int, tokenizer) -> str:
+    """What a gateway makes of this worker's tokens (its tokenizer's text for them)."""
+    return tokenizer.decode([token_id(i) for i in range(max_tokens)])
 
 
 @dataclass(slots=True)
@@ -143,7 +149,7 @@ class FakeV5Worker:
     def _token(self, run: _Running) -> ReplyEvent:
         index, run.sent = run.sent, run.sent + 1
         reason = "length" if run.sent == run.max_tokens else None
-        return ReplyEvent(EventKind.OUTPUT, ENGINE_ID, INCARNATION, [ChoiceDelta(0, [65 + index % 26], None, reason)],
+        return ReplyEvent(EventKind.OUTPUT, ENGINE_ID, INCARNATION, [ChoiceDelta(0, [token_id(index)], None, reason)],
                           finished=reason is not None, index=index)
 
     async def _publish(self, events: list[tuple[str, ReplyEvent]]) -> None:

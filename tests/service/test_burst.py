@@ -64,7 +64,7 @@ async def burst(client: TestClient, gateway: Gateway) -> list[int]:
     results = await asyncio.wait_for(asyncio.gather(*(one_stream(client) for _ in range(BURST))), 240)
     statuses = [status for status, _ in results]
     assert set(statuses) <= {200, 429}, [r for r in results if r[0] not in (200, 429)][:3]
-    wrong = [text for status, text in results if status == 200 and text != expected_text(MAX_TOKENS)]
+    wrong = [text for status, text in results if status == 200 and text != expected_text(MAX_TOKENS, gateway.tokenizer)]
     assert not wrong, f"{len(wrong)} streams got other text or an error event, e.g. {wrong[:3]}"
     assert gateway.broker.num_subscriptions == 0  # no per-request state left
     return statuses

@@ -85,7 +85,7 @@ async def test_resume_on_another_gateway_continues_the_text(redis_url, tokenizer
         tail = frames(await rest.read())
         assert [i for i, _ in tail] == [f"{request_id}:{n}" for n in range(5, 5 + len(tail))]
         assert tail[-1][1] == "[DONE]"
-        assert text(head + tail, chat="chat" in route) == expected_text(MAX_TOKENS)
+        assert text(head + tail, chat="chat" in route) == expected_text(MAX_TOKENS, tokenizer)
         assert request_id not in worker.aborted
         assert all(g.broker.num_subscriptions == 0 for g in gateways)
 
@@ -99,7 +99,7 @@ async def test_resume_after_the_end_replays_and_a_post_with_last_event_id_resume
                                           headers=headers(last=f"{request_id}:9"))).read())
     assert replay == whole  # the same events, ids, chunk ids and ``created``
     assert tail == whole[10:]
-    assert text(whole) == expected_text(MAX_TOKENS)
+    assert text(whole) == expected_text(MAX_TOKENS, tokenizer)
 
 
 async def test_another_tenant_and_an_unknown_id_get_404(redis_url, tokenizer) -> None:
@@ -144,7 +144,7 @@ async def test_a_client_bouncing_between_gateways_gets_the_whole_text_once(redis
         seen += frames(await response.read())
         request_id = seen[0][0].rsplit(":", 1)[0]
         assert [i for i, _ in seen] == [f"{request_id}:{n}" for n in range(len(seen))]
-        assert text(seen, chat=True) == expected_text(MAX_TOKENS) and request_id not in worker.aborted
+        assert text(seen, chat=True) == expected_text(MAX_TOKENS, tokenizer) and request_id not in worker.aborted
         assert all(g.broker.num_subscriptions == 0 and not g.broker._adopted for g in gateways)
 
 
