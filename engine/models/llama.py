@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -94,18 +95,19 @@ class FusedLayer:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``mlp``: the gated MLP, or an MoE family's sparse block (engine/models/moe.py)."""
+    """``mlp()`` builds the gated MLP, or an MoE family's sparse block (engine/models/moe.py), after the
+    attention, so a shape error names the attention's field first."""
 
     fused: FusedLayer | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
-                 mlp: nn.Module) -> None:
+                 mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = mlp
+        self.mlp = mlp()
 
     def forward(self, rope: RopeStep, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +159,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp, mlp(i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp, partial(mlp, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
