@@ -119,8 +119,7 @@ def test_an_engine_that_stops_reading_has_its_routed_requests_taken(routed_stack
         body = complete(routed_stack, PREFIX + [42, 43], max_tokens=4)
     finally:
         worker.send_signal(signal.SIGCONT)
-    assert body["usage"]["completion_tokens"] == 4
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the other engine served it
+    assert body["usage"]["completion_tokens"] == 4  # served while its engine was stopped: by the other one
     assert entries_read(routed_stack, owner) == read_before + 1  # routed to the stopped one, read by the other
 
 
