@@ -100,23 +100,23 @@ def wait_for_summary(stack: LocalStack, prompt: list[int]) -> int:
 
 def test_follow_ups_go_to_the_engine_that_caches_the_prefix(routed_stack: LocalStack) -> None:
     assert complete(routed_stack, PREFIX + [1])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    first = wait_for_summary(routed_stack, PREFIX + [1])
+    wait_for_summary(routed_stack, PREFIX + [1])
     # Pulled from a shared queue, about half would land on the other engine (at most one miss of ten: 1% by
     # chance). One miss is allowed: a heartbeat late on a loaded machine makes the gateway route nowhere once.
     cached = [complete(routed_stack, PREFIX + [suffix, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
               for suffix in range(2, 12)]
     assert sorted(cached)[1:] == [160] * 9, cached
-    assert holder(routed_stack, PREFIX + [1])[0] == first
 
 
 def test_an_engine_that_stops_reading_has_its_routed_requests_taken(routed_stack: LocalStack) -> None:
-    complete(routed_stack, PREFIX + [1])
-    owner = wait_for_summary(routed_stack, PREFIX + [1])
+    prefix = random_tokens(11, 160)  # its own: one engine holds it (an earlier follow-up may have missed)
+    complete(routed_stack, prefix + [1])
+    owner = wait_for_summary(routed_stack, prefix + [1])
     read_before = entries_read(routed_stack, owner)
     worker = routed_stack.workers[owner].process
     worker.send_signal(signal.SIGSTOP)  # alive to the gateway for its heartbeat TTL, reading nothing
     try:
-        body = complete(routed_stack, PREFIX + [42, 43], max_tokens=4)
+        body = complete(routed_stack, prefix + [42, 43], max_tokens=4)
     finally:
         worker.send_signal(signal.SIGCONT)
     assert body["usage"]["completion_tokens"] == 4  # served while its engine was stopped: by the other one
@@ -155,12 +155,13 @@ async def streamed_text(url: str, body: dict, on_first_event) -> str:
 
 
 def test_an_engine_killed_mid_stream_has_its_routed_requests_resumed(routed_stack: LocalStack) -> None:
-    complete(routed_stack, PREFIX + [1])
-    owner = wait_for_summary(routed_stack, PREFIX + [1])
-    body = {"model": MODEL_NAME, "prompt": PREFIX + [77], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+    prefix = random_tokens(12, 160)
+    complete(routed_stack, prefix + [1])
+    owner = wait_for_summary(routed_stack, prefix + [1])
+    body = {"model": MODEL_NAME, "prompt": prefix + [77], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
     child = routed_stack.workers[owner]
     text = asyncio.run(streamed_text(routed_stack.url, body, lambda: routed_stack.kill(child)))
     try:
-        assert text == complete(routed_stack, PREFIX + [77], max_tokens=120)["choices"][0]["text"]
+        assert text == complete(routed_stack, prefix + [77], max_tokens=120)["choices"][0]["text"]
     finally:
         routed_stack.restart(child)
