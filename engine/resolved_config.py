@@ -34,6 +34,9 @@ class ResolvedConfig:
     show_progress: bool
     kv_cache_dtype: KVCacheDtype
     kv_bytes_per_token: int  # one token's K/V (and scales) in this rank's pool, all layers
+    # A draft model's share of a token (speculative_method="draft"): its pool has as many blocks as this one,
+    # sized from the same budget.
+    draft_kv_bytes_per_token: int = 0
     # Decode-only steps replay CUDA graphs: on CUDA, compiled kernels (the reference ones read lengths on the
     # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager or the model
     # syncs with the host inside its forward (MoE: fused_moe sizes its expert groups there).
@@ -63,37 +66,52 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     # A rank stores only its KV heads of every block.
     token_bytes = kv_dtype.token_bytes(model_config.num_layers, tp.kv_heads(model_config.num_kv_heads),
                                        model_config.head_dim)
-    num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, max_model_len, device,
-                                                                     tp.size)))
+    draft_bytes = _draft_token_bytes(config, device)
+    num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, draft_bytes,
+                                                                     max_model_len, device, tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
                                          max_model_len=max_model_len, sliding_window=model_config.kv_window)
     decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
                      and tp.size == 1 and getattr(model, "graph_capturable", True))
     resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
-                              config.show_progress, kv_dtype, token_bytes, decode_graphs)
+                              config.show_progress, kv_dtype, token_bytes, draft_bytes, decode_graphs)
     return resolved, model
 
 
-def _kv_blocks(config: EngineConfig, token_bytes: int, max_model_len: int, device: torch.device,
-               num_ranks: int) -> tuple[int, int]:
-    """Device and CPU block counts; those not given come from the byte budgets. The device pool is capped at
-    what ``max_num_seqs`` full-length sequences could ever use: more blocks would only idle."""
+def _draft_token_bytes(config: EngineConfig, device: torch.device) -> int:
+    """One token's K/V in a draft model's pool, 0 without one. The draft follows every running sequence with a
+    block table of its own, so one block of budget pays for both models' K/V of its tokens. (Under tensor
+    parallelism only rank 0 runs the draft; every rank counts it, so the ranks still agree.)"""
+    if config.speculative_method != "draft":
+        return 0
+    draft = read_model_config(config.speculative_model)
+    kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, resolve_dtype(config.dtype, draft.dtype, device.type))
+    return kv_dtype.token_bytes(draft.num_layers, draft.num_kv_heads, draft.head_dim)
+
+
+def _kv_blocks(config: EngineConfig, token_bytes: int, draft_bytes: int, max_model_len: int,
+               device: torch.device, num_ranks: int) -> tuple[int, int]:
+    """Device and CPU block counts; those not given come from the byte budgets (a device block's share of
+    the budget holds a draft model's K/V too). The device pool is capped at what ``max_num_seqs`` full-length
+    sequences could ever use: more blocks would only idle."""
     block_bytes = token_bytes * config.block_size
+    device_block_bytes = (token_bytes + draft_bytes) * config.block_size
     num_device_blocks = config.num_device_blocks
     if num_device_blocks is None:
         # Tensor-parallel ranks on CPU share one memory; on GPUs each has its own.
         share = num_ranks if device.type == "cpu" else 1
         budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction
                                                      / share)
-        num_device_blocks = min(budget // block_bytes, config.max_num_seqs * -(-max_model_len // config.block_size))
+        num_device_blocks = min(budget // device_block_bytes,
+                                config.max_num_seqs * -(-max_model_len // config.block_size))
         if num_device_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {device_block_bytes} bytes")
     num_cpu_blocks = config.num_cpu_blocks
     if num_cpu_blocks is None:
         num_cpu_blocks = min(config.swap_space_bytes // block_bytes, num_device_blocks)
     logger.info("KV cache: %d device blocks and %d CPU swap blocks of %d tokens (%.1f MiB per block, %d bytes per "
-                "token, %s)", num_device_blocks, num_cpu_blocks, config.block_size, block_bytes / 2**20, token_bytes,
-                config.kv_cache_dtype)
+                "token, %s%s)", num_device_blocks, num_cpu_blocks, config.block_size, device_block_bytes / 2**20,
+                token_bytes, config.kv_cache_dtype, f", {draft_bytes} for the draft model" if draft_bytes else "")
     return num_device_blocks, num_cpu_blocks
 
 

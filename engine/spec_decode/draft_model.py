@@ -1,5 +1,10 @@
 """A draft model proposes: a small checkpoint with the target's tokenizer runs k greedy steps ahead, on its own
-paged KV (a ``KVCacheManager`` and ``ModelRunner`` of its own, one block table per sequence it follows)."""
+paged KV (a ``KVCacheManager`` and ``ModelRunner`` of its own, one block table per sequence it follows).
+
+Its pool has as many blocks as the target's, sized from the same budget (``ResolvedConfig`` counts both models'
+K/V per block), and caches prefixes under the same salts, so shared prompts cost it what they cost the target.
+It holds blocks only for running sequences: a preempted one is dropped and, once it runs again, caught up
+from its cached prefix."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +12,11 @@ import dataclasses
 import torch
 
 from engine.config import EngineConfig
-from engine.core.kv_allocator import cdiv
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.resolved_config import ResolvedConfig
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceGroup
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class DraftModelProposer:
@@ -25,26 +29,24 @@ class DraftModelProposer:
         from engine.distributed.executor import create_executor  # the draft loads as the target does
 
         sched = target.scheduler
-        k = config.num_speculative_tokens
-        # Room for every sequence the target holds plus each one's proposals.
-        num_blocks = sched.num_device_blocks + sched.max_num_seqs * (1 + cdiv(k, sched.block_size))
         draft_config = dataclasses.replace(
             config, model=config.speculative_model, tokenizer=None, speculative_method=None, speculative_model=None,
-            num_device_blocks=num_blocks, num_cpu_blocks=0, max_model_len=sched.max_model_len,
+            num_device_blocks=sched.num_device_blocks, num_cpu_blocks=0, max_model_len=sched.max_model_len,
             async_scheduling=False, tensor_parallel_size=1, quantization=None)
         self.config, self.runner = create_executor(draft_config)
         if self.config.model_config.vocab_size > target.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.config.model_config.vocab_size}) is larger than "
                              f"the target's ({target.model_config.vocab_size}): not the same tokenizer")
-        self.kv = KVCacheManager(num_blocks, 0, sched.block_size, enable_caching=False)
+        self.kv = KVCacheManager(sched.num_device_blocks, 0, sched.block_size, sched.enable_prefix_caching,
+                                 self.config.scheduler.sliding_window)
         self._followed: dict[int, Sequence] = {}  # seq_id -> the sequence whose final tokens' K/V the draft holds
         self._group = SequenceGroup("draft", [], SamplingParams(temperature=0.0), 0.0)  # greedy: argmax rows only
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        self.release_finished()
+    def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
+        self.release_inactive()
         live, free = [], self.kv.num_free_blocks
         for i, seq in enumerate(seqs):
-            need = self._follow(seq, ks[i])
+            need = self._follow(seq, ks[i], salts[i])
             if need <= free:  # else no proposal this step
                 live.append(i)
                 free -= need
@@ -60,10 +62,12 @@ class DraftModelProposer:
             self.kv.truncate(seqs[i].seq_id, seqs[i].num_tokens)
         return proposals
 
-    def _follow(self, seq: Sequence, k: int) -> int:
-        """Give ``seq`` a block table if it has none; the blocks its catch-up and k tokens need."""
+    def _follow(self, seq: Sequence, k: int, salt: bytes | None) -> int:
+        """Give ``seq`` a block table (with its cached prefix) if it has none; the blocks its catch-up and k
+        tokens need."""
         if seq.seq_id not in self.kv.tables:
-            self.kv.admit(seq.seq_id, [], None, 0)
+            hits = self.kv.find_cached_prefix(seq.token_ids, salt)
+            self.kv.admit(seq.seq_id, hits, salt, seq.num_tokens)
             self._followed[seq.seq_id] = seq
         return self.kv.num_new_blocks([(seq.seq_id, seq.num_tokens - self.kv.tables[seq.seq_id].num_computed + k)])
 
@@ -84,12 +88,13 @@ class DraftModelProposer:
         logits = self.runner.execute(out)
         for seq, view, step in rows:
             if step == 0:
-                self.kv.mark_computed(seq.seq_id, seq.num_tokens, seq.token_ids, register=False)
+                self.kv.mark_computed(seq.seq_id, seq.num_tokens, seq.token_ids)
         argmax = logits.argmax if logits.argmax is not None else logits.values.argmax(dim=-1)
         return argmax.to(torch.int64).tolist()
 
-    def release_finished(self) -> None:
+    def release_inactive(self) -> None:
+        """Free the blocks of sequences that ended or were preempted (their full blocks stay cached)."""
         for seq_id, seq in list(self._followed.items()):
-            if seq.is_finished:
+            if seq.status is not SequenceStatus.RUNNING:
                 self.kv.free(seq_id)
                 del self._followed[seq_id]

@@ -16,10 +16,10 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
         return [lookup(seq.token_ids, k, self.min_n, self.max_n) for seq, k in zip(seqs, ks)]
 
-    def release_finished(self) -> None:
+    def release_inactive(self) -> None:
         """Nothing kept between steps."""
 
 

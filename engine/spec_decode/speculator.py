@@ -24,10 +24,11 @@ class Proposer(Protocol):
     """Proposes, per sequence, up to ``k`` tokens to follow its tokens (fewer or none is fine). A proposer that
     needs the target's hidden states (EAGLE or Medusa heads) would take them here too; none does yet."""
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]: ...
+    def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
+        """``salts``: each sequence's prefix-cache salt (a proposer that caches K/V keeps tenants apart)."""
 
-    def release_finished(self) -> None:
-        """Drop what it keeps for sequences that ended (after each step)."""
+    def release_inactive(self) -> None:
+        """Drop what it keeps for sequences that ended or were preempted (after each step)."""
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class Speculator:
         return p.use_speculation and group.beam is None and p.structured_output is None
 
     def propose(self, groups: Iterable[SequenceGroup]) -> None:
-        seqs, ks = [], []
+        seqs, ks, salts = [], [], []
         for group in groups:
             if not self.eligible(group) or len(group.seqs) < group.params.n:  # forks pending share one row
                 continue
@@ -79,8 +80,9 @@ class Speculator:
                     if k > 0:
                         seqs.append(seq)
                         ks.append(k)
+                        salts.append(group.cache_salt)
         if seqs:
-            for seq, k, drafts in zip(seqs, ks, self.proposer.propose(seqs, ks), strict=True):
+            for seq, k, drafts in zip(seqs, ks, self.proposer.propose(seqs, ks, salts), strict=True):
                 seq.draft_token_ids = list(drafts[:k])
         self._proposed = seqs
 
@@ -105,7 +107,7 @@ class Speculator:
         for s in out.scheduled:
             if s.draft_token_ids and s.seq.backoff is not None:
                 s.seq.backoff.observe(s.num_accepted, self.k)
-        self.proposer.release_finished()
+        self.proposer.release_inactive()
 
 
 def make_speculator(config: EngineConfig, resolved: ResolvedConfig) -> Speculator | None:

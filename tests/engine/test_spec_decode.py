@@ -86,7 +86,7 @@ class OracleProposer:
     def __init__(self, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
         self.reference = reference
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
         proposals = []
         for seq, k in zip(seqs, ks):
             ref = self.reference.get((tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.index), [])
@@ -97,7 +97,7 @@ class OracleProposer:
             proposals.append(drafts)
         return proposals
 
-    def release_finished(self) -> None:
+    def release_inactive(self) -> None:
         """Keeps nothing per sequence."""
 
 
@@ -166,6 +166,61 @@ def test_draft_model_proposals_give_the_non_speculative_outputs(llama_checkpoint
     assert not engine.speculator.proposer.kv.tables  # every followed sequence ended: the draft's blocks are free
 
 
+def test_draft_model_kv_comes_out_of_the_same_budget(llama_checkpoint, tmp_path):
+    """One byte budget sizes both pools: a block pays for the target's and the draft's K/V of its tokens, and
+    the two pools together fit in it."""
+    draft = build_checkpoint("qwen2", tmp_path).path
+    budget = 1 << 20
+    plain = make_engine(llama_checkpoint.path, num_device_blocks=None, kv_cache_memory_bytes=budget,
+                        max_model_len=256)
+    engine = make_engine(llama_checkpoint.path, num_device_blocks=None, kv_cache_memory_bytes=budget,
+                         max_model_len=256, speculative_method="draft", speculative_model=draft)
+    target_bytes, draft_bytes = engine.config.kv_bytes_per_token, engine.config.draft_kv_bytes_per_token
+    assert target_bytes == plain.config.kv_bytes_per_token and draft_bytes > 0
+    num_blocks = engine.config.scheduler.num_device_blocks
+    assert num_blocks == budget // ((target_bytes + draft_bytes) * 16) < plain.config.scheduler.num_device_blocks
+    proposer = engine.speculator.proposer
+    assert proposer.kv.num_blocks == proposer.config.scheduler.num_device_blocks == num_blocks
+    pools = [engine.runner.kv_cache, proposer.runner.kv_cache]
+    assert sum(t.numel() * t.element_size() for t in pools) <= budget
+
+
+def test_draft_model_caches_prefixes_per_tenant(llama_checkpoint):
+    """The draft's pool caches full blocks under the requests' salts: a later request with the same prompt
+    prefix and salt is caught up from them, another tenant's is not."""
+    prefix = [(7 * i) % (VOCAB - 1) + 1 for i in range(40)]
+    engine = make_engine(llama_checkpoint.path, speculative_method="draft", speculative_model=llama_checkpoint.path,
+                         num_speculative_tokens=3)
+    proposer = engine.speculator.proposer
+    for i, salt in enumerate(["tenant-a", "tenant-a", "tenant-b"]):
+        hits = proposer.kv.prefix_cache_hits
+        engine.add_request(str(i), prefix + [i + 1], SamplingParams(temperature=0.0, max_tokens=8), cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert proposer.kv.prefix_cache_hits - hits == (32 if i == 1 else 0)  # 2 full blocks of 16
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+def test_draft_model_holds_blocks_of_running_sequences_only(llama_checkpoint):
+    """A preempted sequence's draft blocks are freed at once (memory is short), and it is caught up again
+    when it runs: outputs stay the non-speculative ones."""
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=24)) for p in mixed_prompts(8)]
+    expected = run(make_engine(llama_checkpoint.path, num_device_blocks=14), reqs)
+    engine = make_engine(llama_checkpoint.path, num_device_blocks=14, speculative_method="draft",
+                         speculative_model=llama_checkpoint.path, num_speculative_tokens=3)
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        running = {seq.seq_id for group in engine.scheduler.running.values() for seq in group.seqs}
+        assert set(engine.speculator.proposer.kv.tables) <= running
+    assert got == {rid: choices[0][0] for rid, choices in expected.items()}
+    stats = engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.spec_decode_num_accepted_tokens_total > 0
+
+
 def test_requests_that_opt_out_get_no_proposals(llama_checkpoint):
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=20, use_speculation=False)) for p in mixed_prompts(4)]
     expected = run(make_engine(llama_checkpoint.path), reqs)
@@ -191,10 +246,10 @@ class FixedProposer:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
         return [self.drafts[:k] for k in ks]
 
-    def release_finished(self) -> None:
+    def release_inactive(self) -> None:
         """Keeps nothing per sequence."""
 
 
