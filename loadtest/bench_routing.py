@@ -1,14 +1,16 @@
 """Routing benchmark: prefix-aware routing against shared-queue pulling, several engines, one run.
 
-    python -m loadtest.bench_routing [--json FILE] [--workers 3] [--conversations 24] [--turns 4]
+    python -m loadtest.bench_routing [--json FILE] [--workers 3] [--concurrency 24] [--conversations 96]
+                                     [--turns 6] [--repeats 3]
 
 One stack (redis-server, ``--workers`` workers on the demo model, two gateways: one routing by cached prefix,
 one with ``--no-prefix-routing``) and a one-worker stack for the single-engine reference. Workloads:
 
-- ``chat``: ``--conversations`` multi-turn conversations, all at once, each turn after the previous one's
-  answer, each opening with one of ``--system-prompts`` long system prompts; a turn's prompt is the previous
-  turn's plus the answer and a new user message (token ids; the answer is synthetic, as a client that
-  edits it would send);
+- ``chat``: ``--conversations`` multi-turn conversations, ``--concurrency`` at once (a closed loop: each
+  client starts its next conversation when one ends, so the run measures the fleet saturated, in steady
+  state, not one burst of first turns), each turn after the previous one's answer, each opening with one of
+  ``--system-prompts`` long system prompts; a turn's prompt is the previous turn's plus the answer and a
+  new user message (token ids; the answer is synthetic, as a client that edits it would send);
 - ``unshared``: the same number of requests with unrelated prompts of the same lengths.
 
 Each (workload, mode) runs on fresh content (its own seed), so no run reuses another's cache. Reported per
@@ -46,12 +48,14 @@ class Totals:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=24)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=96)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-prompts", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=384)
     p.add_argument("--user-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=24,
+                   help="conversations at once: each slot starts its next conversation when one ends")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", help="write the results here")
@@ -87,6 +91,14 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int], 
     totals.output_tokens += usage["completion_tokens"]
 
 
+async def slot(session: aiohttp.ClientSession, url: str, systems: list[list[int]], seed: int,
+               conversations: range, args: argparse.Namespace, totals: Totals, shared: bool) -> None:
+    """One client at a time: its conversations one after another (a user leaves, the next one comes)."""
+    for i in conversations:
+        await conversation(session, url, systems[i % len(systems)], random.Random(seed * 1000 + i), args, totals,
+                           shared)
+
+
 async def conversation(session: aiohttp.ClientSession, url: str, system: list[int], rng: random.Random,
                        args: argparse.Namespace, totals: Totals, shared: bool) -> None:
     """``shared``: turns that extend one another after a common system prompt; else unrelated prompts of the
@@ -106,8 +118,8 @@ async def run_workload(url: str, args: argparse.Namespace, shared: bool, seed: i
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(conversation(session, url, systems[i % len(systems)], random.Random(seed * 1000 + i),
-                                            args, totals, shared) for i in range(args.conversations)))
+        await asyncio.gather(*(slot(session, url, systems, seed, range(first, args.conversations, args.concurrency),
+                                    args, totals, shared) for first in range(args.concurrency)))
         elapsed = time.perf_counter() - start
     return {"hit_rate": totals.cached_tokens / max(1, totals.prompt_tokens), "requests_s": totals.requests / elapsed,
             "prompt_tok_s": totals.prompt_tokens / elapsed, "output_tok_s": totals.output_tokens / elapsed,

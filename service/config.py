@@ -147,8 +147,8 @@ class GatewayConfig:
     prefix_routing: bool = spec(True, flag="--no-prefix-routing",
                                 help="queue every request on the shared stream, not on the stream of the engine "
                                      "that holds the longest part of its prompt in its prefix cache")
-    route_slack: int = spec(4, low=0, help="requests an engine may have waiting beyond the least-loaded engine "
-                                           "and still be routed a request for its cached prefix")
+    route_slack: int = spec(16, low=0, help="requests (running or waiting) an engine may have beyond the least "
+                                           "loaded engine and still be routed a request for its cached prefix")
     key_policies: tuple[str, ...] = spec(
         (), flag="--key-policy", secret=True,
         help="one API key's priority and limits, repeatable: KEY:priority=N;max_concurrent=N;tokens_per_min=N "

@@ -29,7 +29,7 @@ from service.config import GatewayConfig
 from service.limits import RedisLimiter
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
 from service.redis_keys import PREFIX_KEY_BYTES, RESUMES, Keys, split_consumer
-from service.routing import choose_engine, leading_hits, prompt_block_keys
+from service.routing import RecentPrefixes, choose_engine, leading_hits, prompt_block_keys
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
 from service.transcript import CLOCK_SKEW_MS, read_transcript
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 _ABORTS_MAXLEN = 10_000
 _MAX_SUBMIT_BATCH = 256  # submissions per pipeline
 _COMMAND_RETRIES = 2  # a command may run 3 times: each is idempotent, or harmless twice (see start)
+# Prompt blocks remembered with the engine that took them: about a minute of a busy gateway's prompts, each
+# believed for a few engine heartbeats (its published summary covers it by then).
+_RECENT_KEYS = 1 << 17
+_RECENT_TTL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -69,7 +73,11 @@ class RedisGatewayBroker(ReplyRouter):
         self._server: frozenset[str] | None = None  # the run ids behind the client at the last beat
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
-        self._routed_since_beat: Counter[str] = Counter()  # requests routed to each engine since its figures
+        self._recent = RecentPrefixes(_RECENT_KEYS, _RECENT_TTL_S)
+        self._prompt_keys: dict[str, dict[int, list[bytes]]] = {}  # request id -> block size -> keys, until taken
+        # This gateway's live requests per engine, routed there or taken by it: fresher than the engines' beats.
+        self._engine_of: dict[str, str] = {}
+        self._local_load: Counter[str] = Counter()
         self._followers: dict[str, asyncio.Task] = {}  # another gateway's out stream -> its reader
 
     def limiter(self, lease_s: float) -> RedisLimiter:
@@ -153,7 +161,7 @@ class RedisGatewayBroker(ReplyRouter):
             return
         pipe.sadd(self._keys.routed_engines(item.model), engine_id)  # where reclaim and stealing look
         pipe.xadd(self._keys.routed(item.model, engine_id), {"p": item.payload})
-        self._routed_since_beat[engine_id] += 1
+        self._assign(item.request_id, engine_id)
 
     async def _routes(self, batch: list[_Submit]) -> list[str | None]:
         """Each submission's engine by cached prefix (``service.routing``), None for the shared stream: one
@@ -162,11 +170,10 @@ class RedisGatewayBroker(ReplyRouter):
         for i, item in enumerate(batch):
             for engine_id, beat in self.engines.items() if self.config.prefix_routing else ():
                 if beat.block_size and beat.model == item.model:
-                    keys = prompt_block_keys(item.prompt_token_ids, item.cache_salt, beat.block_size,
-                                             PREFIX_KEY_BYTES)
+                    keys = self._block_keys(item, beat.block_size)
                     if keys:
                         pipe.smismember(self._keys.prefixes(engine_id), keys)
-                        plan.append((i, engine_id, beat.block_size))
+                        plan.append((i, engine_id, keys, beat.block_size))
         if not plan:
             return [None] * len(batch)
         try:
@@ -174,14 +181,42 @@ class RedisGatewayBroker(ReplyRouter):
         except BROKER_ERRORS:
             return [None] * len(batch)
         hits: list[dict[str, int]] = [{} for _ in batch]
-        for (i, engine_id, block_size), members in zip(plan, found):
-            hits[i][engine_id] = leading_hits(members) * block_size
-        return [choose_engine(h, self._queued(), self.config.route_slack) for h in hits]
+        for (i, engine_id, keys, block_size), members in zip(plan, found):
+            recent = self._recent.holds(keys, engine_id)
+            hits[i][engine_id] = leading_hits([m or r for m, r in zip(members, recent)]) * block_size
+        return [choose_engine(h, self._loads(), self.config.route_slack) for h in hits]
 
-    def _queued(self) -> dict[str, int]:
-        """Each live engine's waiting requests as it last said, plus those routed to it since; a nearly full
-        KV pool counts as a long queue."""
-        return {engine_id: beat.stats.num_requests_waiting + self._routed_since_beat[engine_id]
+    def _block_keys(self, item: _Submit, block_size: int) -> list[bytes]:
+        """The prompt's block keys at ``block_size``, kept until an engine takes the request (``on_accepted``)."""
+        by_size = self._prompt_keys.setdefault(item.request_id, {})
+        if block_size not in by_size:
+            by_size[block_size] = prompt_block_keys(item.prompt_token_ids, item.cache_salt, block_size,
+                                                    PREFIX_KEY_BYTES)
+        return by_size[block_size]
+
+    def on_accepted(self, request_id: str, engine_id: str) -> None:
+        """The engine that took a request holds its prompt's blocks from now on (its summary says so later)."""
+        by_size, beat = self._prompt_keys.pop(request_id, None), self.engines.get(engine_id)
+        if by_size and beat is not None and beat.block_size in by_size:
+            self._recent.record(by_size[beat.block_size], engine_id)
+        self._assign(request_id, engine_id)
+
+    def _assign(self, request_id: str, engine_id: str | None) -> None:
+        """Count a live request of this gateway against the engine it is routed to or taken by (None: ended)."""
+        previous = self._engine_of.pop(request_id, None)
+        if previous is not None:
+            self._local_load[previous] -= 1
+            if not self._local_load[previous]:
+                del self._local_load[previous]
+        if engine_id is not None:
+            self._engine_of[request_id] = engine_id
+            self._local_load[engine_id] += 1
+
+    def _loads(self) -> dict[str, int]:
+        """Each live engine's requests (running or waiting): as its last beat said, or as this gateway counts
+        its own there if more (the beat is up to an interval old); a nearly full KV pool counts as busy."""
+        return {engine_id: max(beat.stats.num_requests_running + beat.stats.num_requests_waiting,
+                               self._local_load[engine_id])
                 + (self.config.route_slack + 1 if beat.stats.kv_cache_usage >= 0.95 else 0)
                 for engine_id, beat in self.engines.items()}
 
@@ -266,6 +301,8 @@ class RedisGatewayBroker(ReplyRouter):
     def release(self, request_id: str) -> None:
         super().release(request_id)
         self._submitted.pop(request_id, None)
+        self._prompt_keys.pop(request_id, None)
+        self._assign(request_id, None)
         self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
@@ -327,7 +364,6 @@ class RedisGatewayBroker(ReplyRouter):
         except BROKER_ERRORS as exc:
             log.debug("heartbeat read failed: %s", type(exc).__name__)
             return None
-        self._routed_since_beat.clear()  # the engines' figures are fresh again
         return {i: b for i, b in zip(ids, beats) if b is not None}
 
     async def _beat(self) -> None:

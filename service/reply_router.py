@@ -53,6 +53,9 @@ class ReplyRouter:
     def release(self, request_id: str) -> None:
         self._subs.pop(request_id, None)
 
+    def on_accepted(self, request_id: str, engine_id: str) -> None:
+        """An engine took the request (a transport that routes by what engines hold learns from it)."""
+
     async def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
@@ -118,6 +121,7 @@ class ReplyRouter:
             if event.kind is EventKind.ACCEPTED:  # passed on too: its handler learns an engine took it
                 sub.owner, sub.lost_since = (event.engine_id, event.incarnation), None
                 sub.queue.put_nowait(event)
+                self.on_accepted(request_id, event.engine_id)
         elif event.index < sub.expected:
             pass  # a duplicate: a retried publish, or a dead engine's late event
         elif event.index > sub.expected:

@@ -4,10 +4,17 @@ Each engine publishes the (truncated) hashes of the blocks its prefix cache hold
 prompt's full blocks exactly as the engine's prefix cache does (``engine.core.prefix_hash``: chained from the
 first block, keyed by the request's cache salt, so tenant isolation holds across engines), asks each live
 engine's set which of them it has, and routes to the engine with the longest run of leading hits among those
-whose queue is within ``slack`` requests of the shortest one. No hit, or only on engines too busy: the
+whose load (requests running or waiting) is within ``slack`` requests of the least loaded one. No hit, or only on engines too busy: the
 request goes to the shared stream, which every engine pulls (``None``).
+
+An engine publishes its summary with its heartbeat, but a conversation's next turn often comes sooner: the
+gateway also remembers, for a while, which engine took each prompt it submitted (``RecentPrefixes``), and
+counts those blocks as that engine's until its summary speaks for them.
 """
 from __future__ import annotations
+
+import time
+from collections import OrderedDict
 
 from engine.core.prefix_hash import ROOT_HASH, hash_block
 
@@ -36,13 +43,40 @@ def leading_hits(found: list[int | bool]) -> int:
     return count
 
 
-def choose_engine(hit_tokens: dict[str, int], queued: dict[str, int], slack: int) -> str | None:
-    """The engine to route to: the most cached tokens among engines whose queue is at most ``slack`` longer
-    than the shortest (ties: the shorter queue, then the id); None for the shared stream."""
-    if not queued:
+def choose_engine(hit_tokens: dict[str, int], loads: dict[str, int], slack: int) -> str | None:
+    """The engine to route to: the most cached tokens among engines whose load is at most ``slack`` above the
+    least loaded one's (ties: the lighter load, then the id); None for the shared stream."""
+    if not loads:
         return None
-    shortest = min(queued.values())
-    candidates = [e for e, hits in hit_tokens.items() if hits > 0 and queued.get(e, shortest) <= shortest + slack]
+    lightest = min(loads.values())
+    candidates = [e for e, hits in hit_tokens.items() if hits > 0 and loads.get(e, lightest) <= lightest + slack]
     if not candidates:
         return None
-    return min(candidates, key=lambda e: (-hit_tokens[e], queued.get(e, shortest), e))
+    return min(candidates, key=lambda e: (-hit_tokens[e], loads.get(e, lightest), e))
+
+
+class RecentPrefixes:
+    """Block key -> (engine, when) for the prompts this gateway saw an engine take, the latest ``capacity``
+    keys. An entry is believed for ``ttl_s`` only: by then the engine's own summary says whether it still
+    holds the block (it may have evicted it)."""
+
+    def __init__(self, capacity: int, ttl_s: float) -> None:
+        self.capacity, self.ttl_s = capacity, ttl_s
+        self._taken: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    def record(self, keys: list[bytes], engine_id: str) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._taken[key] = (engine_id, now)
+            self._taken.move_to_end(key)
+        while len(self._taken) > self.capacity:
+            self._taken.popitem(last=False)
+
+    def holds(self, keys: list[bytes], engine_id: str) -> list[bool]:
+        """Per key, whether ``engine_id`` took it within ``ttl_s``."""
+        oldest = time.monotonic() - self.ttl_s
+        found = []
+        for key in keys:
+            taken = self._taken.get(key)
+            found.append(taken is not None and taken[0] == engine_id and taken[1] >= oldest)
+        return found

@@ -19,7 +19,7 @@ import redis
 from engine.core.kv_cache_manager import KVCacheManager
 from service.local_stack import LocalStack
 from service.redis_keys import PREFIX_KEY_BYTES, Keys
-from service.routing import choose_engine, leading_hits, prompt_block_keys
+from service.routing import RecentPrefixes, choose_engine, leading_hits, prompt_block_keys
 from tests.service.conftest import API_KEY, MODEL_NAME, START_TIMEOUT_S, local_stack
 from tests.service.test_e2e import AUTH, post
 
@@ -57,6 +57,20 @@ def test_choose_engine_weighs_hits_against_queues() -> None:
     assert choose_engine({"a": 160, "b": 32}, {"a": 5, "b": 1}, slack=2) == "b"  # a is too busy
     assert choose_engine({"a": 160}, {"a": 5, "b": 1}, slack=2) is None  # only a busy hit: the shared stream
     assert choose_engine({"a": 0, "b": 0}, {"a": 0, "b": 0}, slack=2) is None
+
+
+def test_recent_prefixes_remember_who_took_a_block_for_a_while(monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    recent = RecentPrefixes(capacity=3, ttl_s=5.0)
+    recent.record([b"a", b"b"], "e1")
+    recent.record([b"b", b"c"], "e2")  # the latest taker owns a key
+    assert recent.holds([b"a", b"b", b"c"], "e1") == [True, False, False]
+    assert recent.holds([b"a", b"b", b"c"], "e2") == [False, True, True]
+    recent.record([b"d"], "e1")  # over capacity: the least recently recorded key goes
+    assert recent.holds([b"a", b"d"], "e1") == [False, True]
+    now[0] += 5.1  # past the TTL the engine's own summary speaks for the block
+    assert recent.holds([b"d"], "e1") == [False]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +120,16 @@ def test_follow_ups_go_to_the_engine_that_caches_the_prefix(routed_stack: LocalS
     cached = [complete(routed_stack, PREFIX + [suffix, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
               for suffix in range(2, 12)]
     assert sorted(cached)[1:] == [160] * 9, cached
+
+
+def test_a_follow_up_before_the_engines_summary_goes_where_its_prefix_went(routed_stack: LocalStack) -> None:
+    """A conversation's next turn comes before the engine's next heartbeat publishes the blocks: the gateway
+    remembers which engine took the previous turn (a shared queue would miss half of these)."""
+    prefix = random_tokens(13, 160)
+    complete(routed_stack, prefix + [1])
+    cached = [complete(routed_stack, prefix + [suffix, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for suffix in range(2, 8)]
+    assert cached == [160] * 6, cached
 
 
 def test_an_engine_that_stops_reading_has_its_routed_requests_taken(routed_stack: LocalStack) -> None:
