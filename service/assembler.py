@@ -70,13 +70,30 @@ class OutputAssembler:
 
     def _advance(self, index: int, choice: _Choice, delta: ChoiceDelta) -> ChoiceUpdate:
         final = delta.finish_reason is not None
-        choice.num_tokens += len(delta.token_ids)
-        new_text = choice.detokenizer.append(delta.token_ids)
-        if final:
-            new_text += choice.detokenizer.flush()
-        text = choice.stops.feed(new_text, final)
+        text, taken = "", 0
+        pieces = _pieces(choice, delta.token_ids)
+        for k, ids in enumerate(pieces):
+            ends = final and k == len(pieces) - 1
+            new_text = choice.detokenizer.append(ids)
+            if ends:
+                new_text += choice.detokenizer.flush()
+            text += choice.stops.feed(new_text, ends)
+            taken += len(ids)
+            if choice.stops.stopped:
+                break
+        choice.num_tokens += taken
         if choice.stops.stopped:
             choice.finish_reason = "stop"
         elif final:
             choice.finish_reason = delta.finish_reason
-        return ChoiceUpdate(index, text, delta.token_ids, delta.logprobs, choice.finish_reason)
+        logprobs = None if delta.logprobs is None else delta.logprobs[:taken]
+        return ChoiceUpdate(index, text, delta.token_ids[:taken], logprobs, choice.finish_reason)
+
+
+def _pieces(choice: _Choice, token_ids: list[int]) -> list[list[int]]:
+    """The delta whole, or a token at a time while a stop string may end the text: a delta of several tokens
+    (a speculative step's) must end at the token that completes the stop string, the tokens after it neither
+    counted in usage nor given logprobs, as when every step brings one token."""
+    if len(token_ids) > 1 and choice.stops.watching:
+        return [[t] for t in token_ids]
+    return [token_ids]

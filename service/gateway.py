@@ -439,6 +439,7 @@ class _Run:
         self.queue = queue
         self.assembler = assembler
         self.logprobs = responses.LogprobFormatter(gateway.tokenizer, req.params.logprobs or 0)
+        self.text_offsets = [0] * req.params.n  # per choice: where its next token's text starts (completions)
         self.created = created
         self.skip_through = skip_through
         self.start = start  # when the HTTP request arrived: TTFT includes validation and tokenizing
@@ -653,7 +654,11 @@ class _Run:
             return None
         if self.req.chat:
             return self.logprobs.chat(u)
-        return self.logprobs.completion(u, len(self.assembler.text(u.index)) - len(u.text))
+        # vLLM's offsets: the tokens' texts laid end to end. Not the text sent so far, which a stop string's
+        # hold-back delays and a speculative step sends several tokens at once.
+        body = self.logprobs.completion(u, self.text_offsets[u.index])
+        self.text_offsets[u.index] = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
 
 
 async def serve_runs(runs: list[_Run]) -> web.StreamResponse:

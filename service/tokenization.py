@@ -93,6 +93,11 @@ class StopStringFilter:
         self._sent = 0
         self.stopped = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether a stop string may still end the text."""
+        return bool(self._stops) and not self.stopped
+
     def feed(self, new_text: str, final: bool) -> str:
         """Adds text; returns what may be sent now (everything when final or stopped)."""
         if not self.stopped and new_text:
