@@ -211,11 +211,18 @@ class Scheduler:
             return out
         self._preempt_for_priority(out)
         by_priority = len(out.preempted)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # A step that admits a request of higher priority leaves the lower-priority groups out: its first
+        # token waits for no decode of theirs. They run as usual if it is not admitted after all.
+        head = self.waiting[0] if self._priority_preemption_possible() else None
+        running = list(self.running.values())
+        cut = len(running) if head is None else next(i for i, g in enumerate(running) if g.priority > head.priority)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, running[:cut])
         if len(out.preempted) == by_priority:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped or self._waiting_outranks_swapped():
-                self._schedule_waiting(out, budget)
+                budget = self._schedule_waiting(out, budget)
+        if head is not None and head.request_id not in self.running:
+            self._schedule_running(out, budget, running[cut:])
         return out
 
     def _waiting_outranks_swapped(self) -> bool:
@@ -361,10 +368,11 @@ class Scheduler:
               or (max_len is not None and num_tokens >= max_len)):
             self.finish_seq(group, seq, SequenceStatus.FINISHED_LENGTH)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, groups: list[SequenceGroup]) -> int:
+        """Each of ``groups`` (running, in rank order) that the budget and memory allow; the budget left."""
         kv = self.kv
         roomy = kv.fits_without_counting(budget, self._num_running_seqs)  # then every group fits: check none
-        for group in list(self.running.values()):
+        for group in groups:
             if budget <= 0 or group.request_id not in self.running:
                 break  # a preempted victim: every later group went before it
             seqs = group.seqs if len(group.seqs) == 1 else group.seqs_with(RUNNING)
@@ -405,7 +413,7 @@ class Scheduler:
             budget -= num_tokens
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0:
             group = self.waiting[0]
             error = self._admission_error(group)
@@ -422,6 +430,7 @@ class Scheduler:
             self._admit(group, seqs, admissions)
             self._commit(group, plan, out)
             budget = left
+        return budget
 
     def _schedule_suspect(self, out: SchedulerOutput) -> None:
         """The oldest suspect's step, alone: the other running groups (last-ranked first) make room if needed."""

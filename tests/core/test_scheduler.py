@@ -305,13 +305,24 @@ def test_a_higher_priority_arrival_preempts_lower_priority_groups_and_runs_at_on
     vip = make_group("vip", list(range(100, 131)), arrival=9)  # 4 blocks: one victim must go, the latest
     sched.add_group(vip)
     out = run_step(sched, memory)
-    assert out.preempted == [groups[2]] and _shape(out) == [("r0", 4, 1, True), ("r1", 4, 1, True),
-                                                            ("vip", 0, 31, True)]
+    # The step that admits vip runs it alone: its first token waits for no lower-priority decode.
+    assert out.preempted == [groups[2]] and _shape(out) == [("vip", 0, 31, True)]
     assert list(sched.running) == ["vip", "r0", "r1"]  # rank order: vip is never the next victim
     _check_contents(sched, memory)
     equal = make_group("equal", list(range(200, 240)), arrival=10, priority=1)  # never preempts its own rank
     sched.add_group(equal)
-    assert not run_step(sched, memory).preempted and sched.waiting[-1] is equal
+    out = run_step(sched, memory)
+    assert not out.preempted and sched.waiting[-1] is equal
+    assert _shape(out) == [("vip", 31, 1, True), ("r0", 4, 1, True), ("r1", 4, 1, True)]  # all decode again
+
+
+def test_an_arrival_of_the_same_priority_shares_the_step_with_the_decodes():
+    sched = make_scheduler()
+    _decoding(sched, [1, 0], 4)
+    sched.add_group(make_group("new", [5, 6, 7], arrival=9))  # priority 0: outranks r0, not r1
+    assert _shape(run_step(sched)) == [("r1", 4, 1, True), ("new", 0, 3, True)]  # r0 (priority 1) sits out
+    sched.add_group(make_group("late", [8, 9], arrival=10, priority=1))
+    assert [s[0] for s in _shape(run_step(sched))] == ["r1", "new", "r0", "late"]
 
 
 def test_a_higher_priority_arrival_goes_before_lower_priority_swapped_groups():
