@@ -12,6 +12,10 @@ arrivals, short prompts and answers, streamed) and measuring its time to first t
 3. ``limited``: the same flood from the ``limited`` key, whose policy lowers its priority and bounds its
    requests in flight (its clients retry a 429 after 0.2 s: an impatient client, not a polite one).
 
+The flood's clients run in a process of their own (a tenant on another machine): in the chat client's
+process their streams and refusals would delay the reading of the chat's first tokens, a cost of the
+load generator, not of the server.
+
 Reported: chat TTFT (mean, median, p99) per phase, the ratio of each flooded phase's p99 to the alone
 p99, and the flood's own throughput (the policy's cost to the flooding key).
 """
@@ -20,8 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
 
 import aiohttp
 
@@ -88,9 +95,9 @@ async def chat_trace(session: aiohttp.ClientSession, url: str, args: argparse.Na
 
 
 async def flood_client(session: aiohttp.ClientSession, url: str, key: str, args: argparse.Namespace,
-                       done: asyncio.Event, counts: dict[str, int], seed: int) -> None:
+                       stop: EventType, counts: dict[str, int], seed: int) -> None:
     rng = random.Random(seed)
-    while not done.is_set():
+    while not stop.is_set():
         if await stream(session, url, key, prompt(rng, 96), args.flood_tokens) is None:
             counts["refused"] += 1
             await asyncio.sleep(0.2)
@@ -98,23 +105,40 @@ async def flood_client(session: aiohttp.ClientSession, url: str, key: str, args:
             counts["completed"] += 1
 
 
+async def flood(url: str, key: str, args: argparse.Namespace, stop: EventType) -> dict[str, int]:
+    counts = {"completed": 0, "refused": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        await asyncio.gather(*(flood_client(session, url, key, args, stop, counts, i)
+                               for i in range(args.flood_clients)))
+    return counts
+
+
+def flood_process(url: str, key: str, args: argparse.Namespace, stop: EventType, counts: Queue) -> None:
+    """The flooding tenant in a process of its own, as on a machine of its own: its clients' work (streams,
+    refusals) never delays the chat client's reading of its own responses."""
+    counts.put(asyncio.run(flood(url, key, args, stop)))
+
+
 async def phase(url: str, args: argparse.Namespace, flood_key: str | None) -> dict:
     print(f"phase {flood_key or 'alone'}: {args.chat_requests} chat requests"
           + (f" under {args.flood_clients} flood clients" if flood_key else ""), flush=True)
-    counts = {"completed": 0, "refused": 0}
-    done = asyncio.Event()
+    context = multiprocessing.get_context("spawn")
+    stop, counts = context.Event(), context.Queue()
+    if flood_key:
+        flooder = context.Process(target=flood_process, args=(url, KEYS[flood_key], args, stop, counts),
+                                  daemon=True)
+        flooder.start()
+        await asyncio.sleep(5.0)  # the process starts and the flood fills the engine first
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        flood = [asyncio.create_task(flood_client(session, url, KEYS[flood_key], args, done, counts, i))
-                 for i in range(args.flood_clients if flood_key else 0)]
-        if flood:
-            await asyncio.sleep(3.0)  # the flood fills the engine first
         start = time.perf_counter()
         ttfts = await chat_trace(session, url, args)
         elapsed = time.perf_counter() - start
-        done.set()
-        await asyncio.gather(*flood)
+    stop.set()
+    flooded = await asyncio.to_thread(counts.get) if flood_key else {"completed": 0, "refused": 0}
+    if flood_key:
+        flooder.join()
     return {"chat_ttft": _summary(ttfts), "chat_completed": len(ttfts),
-            "flood_completed_per_s": counts["completed"] / elapsed, "flood_refused": counts["refused"]}
+            "flood_completed_per_s": flooded["completed"] / elapsed, "flood_refused": flooded["refused"]}
 
 
 async def run(url: str, args: argparse.Namespace) -> dict:
