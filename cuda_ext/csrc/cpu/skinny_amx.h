@@ -48,6 +48,9 @@ class AmxTiles {
       config[16 + 2 * t] = 64;  // bytes per row
       config[48 + t] = 16;      // rows
     }
+    // GCC 12 does not see ldtilecfg read the config: without this barrier it dropped the stores above (an
+    // invalid config: SIGSEGV).
+    asm volatile("" : : "r"(config) : "memory");
     _tile_loadconfig(config);
   }
   ~AmxTiles() { _tile_release(); }
