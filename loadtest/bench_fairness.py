@@ -12,9 +12,10 @@ arrivals, short prompts and answers, streamed) and measuring its time to first t
 3. ``limited``: the same flood from the ``limited`` key, whose policy lowers its priority and bounds its
    requests in flight (its clients retry a 429 after 0.2 s: an impatient client, not a polite one).
 
-The flood's clients run in a process of their own (a tenant on another machine): in the chat client's
-process their streams and refusals would delay the reading of the chat's first tokens, a cost of the
-load generator, not of the server.
+The flood's clients run in a process of their own at the lowest CPU priority (a tenant on another machine):
+in the chat client's process their streams and refusals would delay the reading of the chat's first tokens,
+and at normal priority they would take CPU time from the server on a 2-core machine: costs of the load
+generator, not of the server.
 
 Reported: chat TTFT (mean, median, p99) per phase, the ratio of each flooded phase's p99 to the alone
 p99, and the flood's own throughput (the policy's cost to the flooding key).
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import time
 from multiprocessing.queues import Queue
@@ -115,7 +117,9 @@ async def flood(url: str, key: str, args: argparse.Namespace, stop: EventType) -
 
 def flood_process(url: str, key: str, args: argparse.Namespace, stop: EventType, counts: Queue) -> None:
     """The flooding tenant in a process of its own, as on a machine of its own: its clients' work (streams,
-    refusals) never delays the chat client's reading of its own responses."""
+    refusals) never delays the chat client's reading of its own responses, and at the lowest CPU priority, so
+    on a machine with fewer cores than busy processes it takes no time the server's processes need."""
+    os.nice(19)
     counts.put(asyncio.run(flood(url, key, args, stop)))
 
 
