@@ -214,38 +214,32 @@ def chat_step(stack: LocalStack, spec_stack: LocalStack) -> MidStep:
 # ---- the tests ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+ENDPOINTS = pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+STREAM = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+
+
+def endpoint(request: pytest.FixtureRequest, chat: bool) -> tuple[dict, MidStep]:
+    """The endpoint's request body and its observed multi-token step."""
+    return (CHAT, request.getfixturevalue("chat_step")) if chat else (
+        COMPLETION, request.getfixturevalue("completion_step"))
+
+
+@ENDPOINTS
+@STREAM
 @pytest.mark.parametrize("include_stop", [False, True], ids=["trimmed", "with-stop"])
-def test_completion_stop_string_mid_step(stack: LocalStack, spec_stack: LocalStack, completion_step: MidStep,
-                                         stream: bool, include_stop: bool) -> None:
-    body = {**COMPLETION, "stop": [completion_step.stop], "include_stop_str_in_output": include_stop,
-            "stream": stream}
-    plain = compare(stack, spec_stack, body, chat=False)
-    assert plain.finish_reason == "stop" and plain.usage[1] == completion_step.num_tokens
-    assert plain.text.endswith(completion_step.stop) == include_stop
+def test_stop_string_mid_step(request: pytest.FixtureRequest, stack: LocalStack, spec_stack: LocalStack,
+                              chat: bool, stream: bool, include_stop: bool) -> None:
+    base, step = endpoint(request, chat)
+    body = {**base, "stop": [step.stop], "include_stop_str_in_output": include_stop, "stream": stream}
+    plain = compare(stack, spec_stack, body, chat=chat)
+    assert plain.finish_reason == "stop" and plain.usage[1] == step.num_tokens
+    assert plain.text.endswith(step.stop) == include_stop
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_completion_max_tokens_mid_step(stack: LocalStack, spec_stack: LocalStack, completion_step: MidStep,
-                                        stream: bool) -> None:
-    body = {**COMPLETION, "max_tokens": completion_step.num_tokens, "stream": stream}
-    plain = compare(stack, spec_stack, body, chat=False)
-    assert plain.finish_reason == "length" and plain.usage[1] == completion_step.num_tokens
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("include_stop", [False, True], ids=["trimmed", "with-stop"])
-def test_chat_stop_string_mid_step(stack: LocalStack, spec_stack: LocalStack, chat_step: MidStep,
-                                   stream: bool, include_stop: bool) -> None:
-    body = {**CHAT, "stop": [chat_step.stop], "include_stop_str_in_output": include_stop, "stream": stream}
-    plain = compare(stack, spec_stack, body, chat=True)
-    assert plain.finish_reason == "stop" and plain.usage[1] == chat_step.num_tokens
-    assert plain.text.endswith(chat_step.stop) == include_stop
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_chat_max_tokens_mid_step(stack: LocalStack, spec_stack: LocalStack, chat_step: MidStep,
-                                  stream: bool) -> None:
-    body = {**CHAT, "max_tokens": chat_step.num_tokens, "stream": stream}
-    plain = compare(stack, spec_stack, body, chat=True)
-    assert plain.finish_reason == "length" and plain.usage[1] == chat_step.num_tokens
+@ENDPOINTS
+@STREAM
+def test_max_tokens_mid_step(request: pytest.FixtureRequest, stack: LocalStack, spec_stack: LocalStack,
+                             chat: bool, stream: bool) -> None:
+    base, step = endpoint(request, chat)
+    plain = compare(stack, spec_stack, {**base, "max_tokens": step.num_tokens, "stream": stream}, chat=chat)
+    assert plain.finish_reason == "length" and plain.usage[1] == step.num_tokens
