@@ -61,12 +61,12 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     if config.attention_backend == "ext" and model_config.head_dim not in cuda_ext.HEAD_SIZES:
         raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
+    draft_bytes = _draft_token_bytes(config, device)  # a bad draft checkpoint fails before the long load
     model = load(model_config, device, dtype)
     kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, dtype)
     # A rank stores only its KV heads of every block.
     token_bytes = kv_dtype.token_bytes(model_config.num_layers, tp.kv_heads(model_config.num_kv_heads),
                                        model_config.head_dim)
-    draft_bytes = _draft_token_bytes(config, device)
     num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, draft_bytes,
                                                                      max_model_len, device, tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,

@@ -185,6 +185,15 @@ def test_draft_model_kv_comes_out_of_the_same_budget(llama_checkpoint, tmp_path)
     assert sum(t.numel() * t.element_size() for t in pools) <= budget
 
 
+def test_a_missing_draft_checkpoint_fails_before_the_target_loads(llama_checkpoint, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("engine.distributed.executor.load_model", no_load)
+    with pytest.raises(FileNotFoundError, match="/nonexistent/draft"):
+        make_engine(llama_checkpoint.path, speculative_method="draft", speculative_model="/nonexistent/draft")
+
+
 def test_draft_model_caches_prefixes_per_tenant(llama_checkpoint):
     """The draft's pool caches full blocks under the requests' salts: a later request with the same prompt
     prefix and salt is caught up from them, another tenant's is not."""
