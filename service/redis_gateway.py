@@ -75,9 +75,8 @@ class RedisGatewayBroker(ReplyRouter):
         self._tasks: list[asyncio.Task] = []
         self._recent = RecentPrefixes(_RECENT_KEYS, _RECENT_TTL_S)
         self._prompt_keys: dict[str, dict[int, list[bytes]]] = {}  # request id -> block size -> keys, until taken
-        # This gateway's live requests per engine, routed there or taken by it: fresher than the engines' beats.
+        # request id -> the engine this gateway's live request was routed to or taken by (fresher than beats)
         self._engine_of: dict[str, str] = {}
-        self._local_load: Counter[str] = Counter()
         self._followers: dict[str, asyncio.Task] = {}  # another gateway's out stream -> its reader
 
     def limiter(self, lease_s: float) -> RedisLimiter:
@@ -161,7 +160,7 @@ class RedisGatewayBroker(ReplyRouter):
             return
         pipe.sadd(self._keys.routed_engines(item.model), engine_id)  # where reclaim and stealing look
         pipe.xadd(self._keys.routed(item.model, engine_id), {"p": item.payload})
-        self._assign(item.request_id, engine_id)
+        self._engine_of[item.request_id] = engine_id
 
     async def _routes(self, batch: list[_Submit]) -> list[str | None]:
         """Each submission's engine by cached prefix (``service.routing``), None for the shared stream: one
@@ -184,7 +183,8 @@ class RedisGatewayBroker(ReplyRouter):
         for (i, engine_id, keys, block_size), members in zip(plan, found):
             recent = self._recent.holds(keys, engine_id)
             hits[i][engine_id] = leading_hits([m or r for m, r in zip(members, recent)]) * block_size
-        return [choose_engine(h, self._loads(), self.config.route_slack) for h in hits]
+        loads = self._loads()
+        return [choose_engine(h, loads, self.config.route_slack) for h in hits]
 
     def _block_keys(self, item: _Submit, block_size: int) -> list[bytes]:
         """The prompt's block keys at ``block_size``, kept until an engine takes the request (``on_accepted``)."""
@@ -199,24 +199,13 @@ class RedisGatewayBroker(ReplyRouter):
         by_size, beat = self._prompt_keys.pop(request_id, None), self.engines.get(engine_id)
         if by_size and beat is not None and beat.block_size in by_size:
             self._recent.record(by_size[beat.block_size], engine_id)
-        self._assign(request_id, engine_id)
-
-    def _assign(self, request_id: str, engine_id: str | None) -> None:
-        """Count a live request of this gateway against the engine it is routed to or taken by (None: ended)."""
-        previous = self._engine_of.pop(request_id, None)
-        if previous is not None:
-            self._local_load[previous] -= 1
-            if not self._local_load[previous]:
-                del self._local_load[previous]
-        if engine_id is not None:
-            self._engine_of[request_id] = engine_id
-            self._local_load[engine_id] += 1
+        self._engine_of[request_id] = engine_id
 
     def _loads(self) -> dict[str, int]:
         """Each live engine's requests (running or waiting): as its last beat said, or as this gateway counts
         its own there if more (the beat is up to an interval old); a nearly full KV pool counts as busy."""
-        return {engine_id: max(beat.stats.num_requests_running + beat.stats.num_requests_waiting,
-                               self._local_load[engine_id])
+        local = Counter(self._engine_of.values())
+        return {engine_id: max(beat.stats.num_requests_running + beat.stats.num_requests_waiting, local[engine_id])
                 + (self.config.route_slack + 1 if beat.stats.kv_cache_usage >= 0.95 else 0)
                 for engine_id, beat in self.engines.items()}
 
@@ -302,7 +291,7 @@ class RedisGatewayBroker(ReplyRouter):
         super().release(request_id)
         self._submitted.pop(request_id, None)
         self._prompt_keys.pop(request_id, None)
-        self._assign(request_id, None)
+        self._engine_of.pop(request_id, None)
         self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
