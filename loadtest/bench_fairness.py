@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event as EventType
 
@@ -123,24 +125,34 @@ def flood_process(url: str, key: str, args: argparse.Namespace, stop: EventType,
     counts.put(asyncio.run(flood(url, key, args, stop)))
 
 
+@contextlib.asynccontextmanager
+async def flooding(url: str, key: str | None, args: argparse.Namespace) -> AsyncIterator[dict[str, int]]:
+    """While inside: ``key``'s flood runs (none without a key); on leaving, its counts fill the dict yielded."""
+    counts = {"completed": 0, "refused": 0}
+    if key is None:
+        yield counts
+        return
+    context = multiprocessing.get_context("spawn")
+    stop, queue = context.Event(), context.Queue()
+    flooder = context.Process(target=flood_process, args=(url, key, args, stop, queue), daemon=True)
+    flooder.start()
+    await asyncio.sleep(5.0)  # the process starts and the flood fills the engine first
+    try:
+        yield counts
+    finally:
+        stop.set()
+        counts.update(await asyncio.to_thread(queue.get))
+        flooder.join()
+
+
 async def phase(url: str, args: argparse.Namespace, flood_key: str | None) -> dict:
     print(f"phase {flood_key or 'alone'}: {args.chat_requests} chat requests"
           + (f" under {args.flood_clients} flood clients" if flood_key else ""), flush=True)
-    context = multiprocessing.get_context("spawn")
-    stop, counts = context.Event(), context.Queue()
-    if flood_key:
-        flooder = context.Process(target=flood_process, args=(url, KEYS[flood_key], args, stop, counts),
-                                  daemon=True)
-        flooder.start()
-        await asyncio.sleep(5.0)  # the process starts and the flood fills the engine first
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        start = time.perf_counter()
-        ttfts = await chat_trace(session, url, args)
-        elapsed = time.perf_counter() - start
-    stop.set()
-    flooded = await asyncio.to_thread(counts.get) if flood_key else {"completed": 0, "refused": 0}
-    if flood_key:
-        flooder.join()
+    async with flooding(url, KEYS[flood_key] if flood_key else None, args) as flooded:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            start = time.perf_counter()
+            ttfts = await chat_trace(session, url, args)
+            elapsed = time.perf_counter() - start
     return {"chat_ttft": _summary(ttfts), "chat_completed": len(ttfts),
             "flood_completed_per_s": flooded["completed"] / elapsed, "flood_refused": flooded["refused"]}
 
