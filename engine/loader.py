@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +42,11 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
     model.tie_weights()
     quant = quant_config(cfg.path, cfg.hf, quantization)
     quantized = quantized_model.prepare(model, quant)
-    loaded = _load_files(model, files, show_progress)
-    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    missing = _unfilled(model, _load_files(model, files, show_progress))
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    quantized_model.finish(quantized, quant, dtype, getattr(model, "packed_modules", {}), cfg.path)
+    quantized_model.finish(quantized, quant, dtype)
     use_kernels(model, ops)
     return model.eval()
 
@@ -75,12 +74,13 @@ def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
             layer.fuse(ops)
 
 
-def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[str]:
+def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> dict[str, set]:
+    """Fills the parameters; returns, per parameter filled, the parts that were (None: the whole tensor)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     names = _Names(params, getattr(model, "packed_modules", {}), getattr(model, "checkpoint_renames", {}),
                    getattr(model, "expert_parts", {}))
-    loaded: set[str] = set()
+    loaded: dict[str, set] = defaultdict(set)
     with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -88,9 +88,36 @@ def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> set[
                     target = names.target(name)
                     if target is not None:
                         _copy_weight(target, f.get_slice(name), params, modules, name)
-                        loaded.add(target[0])
+                        loaded[target[0]].add(target[1])
                     bar.update(1)
     return loaded
+
+
+def _unfilled(model: nn.Module, loaded: dict[str, set]) -> list[str]:
+    """The parameters no checkpoint tensor filled, and the parts of the others that none did: a fused layer's
+    projection (a checkpoint without k_proj) or one expert's (without expert 3's down_proj). Either would
+    leave uninitialised memory in the model and no error."""
+    packed, experts = getattr(model, "packed_modules", {}), getattr(model, "expert_parts", {})
+    missing = []
+    for name, param in model.named_parameters():
+        parts = loaded.get(name)
+        if parts is None:
+            missing.append(name)
+        elif None not in parts:
+            missing.extend(tensor for part, tensor in _parts(name, param, packed, experts) if part not in parts)
+    return missing
+
+
+def _parts(name: str, param: nn.Parameter, packed: dict[str, tuple[str, int]],
+           experts: dict[str, tuple[str, int]]) -> list[tuple[int | tuple[int, int], str]]:
+    """Each part a parameter is filled from when the checkpoint stores them apart, with that checkpoint
+    tensor's name (in the model's module names, which ``checkpoint_renames`` may have changed)."""
+    module, _, attr = name.rpartition(".")
+    if module.endswith(".experts"):  # FusedExperts' stacked w13 / w2: [num_experts, ...]
+        return [((e, i), f"{module}.{e}.{part}.weight") for e in range(param.shape[0])
+                for part, (stacked, i) in experts.items() if stacked == attr]
+    parent, _, leaf = module.rpartition(".")
+    return [(i, f"{parent}.{part}.{attr}") for part, (fused, i) in packed.items() if fused == leaf]
 
 
 def _count_tensors(files: list[str]) -> int:

@@ -42,16 +42,13 @@ def checkpoint_modules(name: str, packed: dict[str, tuple[str, int]]) -> list[st
     return [f"{parent}.{part}" if parent else part for _, part in parts] or [name]
 
 
-def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dtype, packed: dict,
-           path: str) -> None:
-    """After the load: quantizes the loaded weights (made at load), or checks the checkpoint's scales; fp8
-    weights off the GPU are then dequantized to ``dtype`` (the CPU kernels run int8 only)."""
+def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dtype) -> None:
+    """After the load: quantizes the loaded weights (made at load, unless the checkpoint holds them quantized);
+    fp8 weights off the GPU are then dequantized to ``dtype`` (the CPU kernels run int8 only)."""
     if quant is None:
         return
-    for name, layer in layers.items():
-        if quant.in_checkpoint:
-            _check_scales(name, layer, packed, path)
-        else:
+    if not quant.in_checkpoint:
+        for layer in layers.values():
             layer.quantize(quant.method)
     cpu = [layer for layer in layers.values() if not layer.weight.is_cuda]
     if quant.method == "fp8" and cpu:
@@ -59,14 +56,3 @@ def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dt
                     "weights only)", len(cpu), dtype)
         for layer in cpu:
             layer.dequantize(dtype)
-
-
-def _check_scales(name: str, layer: Linear, packed: dict, path: str) -> None:
-    """A NaN scale is a row no checkpoint tensor filled: a fused layer's part lacks its weight_scale."""
-    missing = torch.isnan(layer.weight_scale.view(-1))
-    if not missing.any():
-        return
-    row, parts = int(missing.nonzero()[0]), checkpoint_modules(name, packed)
-    bounds = torch.tensor(getattr(layer, "local_sizes", [layer.out_features])).cumsum(0)
-    part = parts[min(int((bounds <= row).sum()), len(parts) - 1)]
-    raise ValueError(f"checkpoint {path!r} lacks {part}.weight_scale (its quantization_config quantizes {part})")

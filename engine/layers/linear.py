@@ -46,11 +46,11 @@ class Linear(nn.Linear):
         self.register_parameter("weight_scale", None)
 
     def hold_quantized(self, dtype: torch.dtype) -> None:
-        """Room for a quantized checkpoint's q in ``dtype`` and its scales, NaN until loaded (so a part of a
-        fused layer the checkpoint lacks shows in ``check_scales``)."""
+        """Room for a quantized checkpoint's q in ``dtype`` and its scales (the loader checks that the checkpoint
+        filled every part)."""
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=device), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.full((self.out_features, 1), torch.nan, device=device),
+        self.weight_scale = nn.Parameter(torch.empty((self.out_features, 1), device=device),
                                          requires_grad=False)
 
     def quantize(self, method: QuantMethod) -> None:

@@ -1,13 +1,16 @@
 """MoE routing against transformers' routers (bf16 too: where each family rounds), the tiny test models' routing
-spread over every expert, and config.json fields the engine cannot run failing at load."""
+spread over every expert, and config.json fields or checkpoint tensors the engine cannot run failing at load."""
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -72,3 +75,19 @@ def test_moe_models_decode_eagerly():
     dense = [cls for family in FAMILIES if not family.moe for cls in family.classes.values()]
     assert len(moe) == 3 and not any(cls.graph_capturable for cls in moe)
     assert all(getattr(cls, "graph_capturable", True) for cls in dense)
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.mlp.experts.3.down_proj.weight",
+                                    "model.layers.0.mlp.experts.5.up_proj.weight",
+                                    "model.layers.0.mlp.shared_expert.up_proj.weight",
+                                    "model.layers.0.self_attn.k_proj.bias"])
+def test_a_checkpoint_missing_one_expert_or_fused_part_fails_at_load(tmp_path, tensor):
+    """One expert's tensor, or one part of a fused layer, absent: the load names it (the stacked or fused
+    parameter is filled otherwise, and that part would be uninitialised memory)."""
+    checkpoint = build_checkpoint("qwen2-moe", tmp_path)
+    (file,) = glob.glob(os.path.join(checkpoint.path, "*.safetensors"))
+    weights = load_file(file)
+    del weights[tensor]
+    save_file(weights, file)
+    with pytest.raises(ValueError, match=re.escape(f"lacks weights for: {tensor}")):
+        make_llm(checkpoint.path, "torch")
