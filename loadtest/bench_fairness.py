@@ -1,6 +1,6 @@
 """Fairness benchmark: one API key's flood against another key's chat, on the whole stack, in one run.
 
-    python -m loadtest.bench_fairness [--json FILE] [--chat-requests 40] [--chat-rate 2]
+    python -m loadtest.bench_fairness [--json FILE] [--chat-requests 200] [--chat-rate 4]
         [--flood-clients 48] [--flood-policy priority=10;max_concurrent=4]
 
 One stack (redis-server, one worker, one gateway, the demo model) with three keys: ``chat``, ``flood``
@@ -47,8 +47,9 @@ WORDS = "the paged cache holds every block of every request in one pool".split()
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chat-requests", type=int, default=40)
-    p.add_argument("--chat-rate", type=float, default=2.0, help="chat requests per second (Poisson)")
+    # 200: a p99 of fewer samples is the slowest request or two.
+    p.add_argument("--chat-requests", type=int, default=200)
+    p.add_argument("--chat-rate", type=float, default=4.0, help="chat requests per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=16, help="max_tokens of a chat request")
     p.add_argument("--flood-clients", type=int, default=48)
     p.add_argument("--flood-tokens", type=int, default=128, help="max_tokens of a flood request")
