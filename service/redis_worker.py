@@ -56,12 +56,14 @@ Entry = tuple[str, bytes, dict]  # (stream, entry id, fields)
 
 @dataclass(slots=True)
 class LaneCall:
-    """One exchange on the step lane: the publish's commands first, then the poll's."""
+    """One exchange on the step lane: the publish's commands first, then the poll's (sent with them, or in an
+    exchange of their own after the step: ``poll_after``)."""
 
     publish: int  # how many commands are the publish's
     pulls: bool  # the poll asked for new entries (XREADGROUP), before the aborts (XREAD)
     finished: list[RequestHandle]
     sent: bool
+    poll_after: bool = False  # the poll waits for the step, in an exchange of its own
     replies: list | None = None  # None: the exchange failed
     fresh: list[Entry] = field(default_factory=list)  # the entries the poll delivered
     pulled: list[Pulled] = field(default_factory=list)  # read from them
@@ -304,17 +306,29 @@ class RedisWorkerBroker:
         read left entries to recover (the asyncio ``poll`` does that)."""
         return self._lane is not None and not self._recover and self._lane.ready()
 
-    def lane_send(self, items: list[Reply], checkpoints: list[Progress], count: int) -> LaneCall:
-        """Step thread, before the step: ``publish``'s commands, then ``poll``'s (non-blocking)."""
+    def lane_send(self, items: list[Reply], checkpoints: list[Progress], count: int | None) -> LaneCall:
+        """Step thread, before the step: ``publish``'s commands, then ``poll``'s (non-blocking) for up to
+        ``count`` new entries. None: the poll waits for the step (``lane_receive``), so that what arrives
+        during a long step joins the next one, not the one after (an exchange more per step)."""
         commands, finished = self._publish_commands(items, checkpoints)
+        if count is None:
+            return LaneCall(len(commands), False, finished, self._lane.send(commands), poll_after=True)
+        return LaneCall(len(commands), bool(count), finished, self._lane.send(commands + self._poll_commands(count)))
+
+    def _poll_commands(self, count: int) -> list[Command]:
         poll: list[Command] = [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, "STREAMS",
                                 *self._streams, *(">",) * len(self._streams))] if count else []
-        poll.append(("XREAD", "STREAMS", self._keys.aborts, self._abort_cursor))
-        return LaneCall(len(commands), bool(count), finished, self._lane.send(commands + poll))
+        return poll + [("XREAD", "STREAMS", self._keys.aborts, self._abort_cursor)]
 
-    def lane_receive(self, call: LaneCall) -> None:
-        """Step thread, after the step; new entries are claimed (``_own``) in a second exchange at once."""
+    def lane_receive(self, call: LaneCall, count: int) -> None:
+        """Step thread, after the step: the replies; the poll for up to ``count`` entries if it waited for the
+        step (``count`` as the step left room); new entries claimed (``_own``) in another exchange at once."""
         call.replies = self._lane.receive() if call.sent else None
+        if call.replies is not None and call.poll_after:
+            poll, call.pulls = self._poll_commands(count), bool(count)
+            polled = self._lane.receive() if self._lane.send(poll) else None
+            # Failed, the poll may still have delivered entries: its errors have ``lane_polled`` recover them.
+            call.replies += polled or [ResponseError("the step lane's poll failed")] * len(poll)
         if not call.pulls or call.replies is None or isinstance(reply := call.replies[call.publish], ResponseError):
             return
         call.fresh = self._not_running(_entries(_stream_reply(reply)))

@@ -6,7 +6,8 @@ take the work: pull-based balancing), apply aborts, run one engine step, and
 publish every reply of the step in one call, overlapping the next step. With the
 Redis broker and ``step_lane`` on, the publish and the poll ride on the step itself
 (the step lane, ``service.step_lane``): sent just before the step, read just after it, on the
-thread that steps; a step after a short one runs on the event loop's thread (no
+thread that steps (while steps are long, the poll goes out after the step instead: a request that
+arrives during one then joins the next step, not the one after); a step after a short one runs on the event loop's thread (no
 hand-off), a long one in a dedicated thread, so the heartbeat keeps going. When
 the lane is down, the same calls go through the broker's asyncio client while the
 step runs in the thread. Every heartbeat interval, between steps, it
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 _RECENT_ABORTS = 10_000  # ids remembered so a request aborted while queued is never started
 _RETRY_S = 0.5
+# From this step duration on, the lane's poll waits for the step: one exchange more per step (~20 us on a
+# local Redis) buys a step less of waiting for every request that arrives during one.
+_POLL_AFTER_STEP_S = 0.005
 EXIT_FAILED_STEPS = 3
 KV_SNAPSHOT_INTERVAL_S = 0.5  # at most 2 Hz
 KV_SNAPSHOT_SHARE = 0.005  # of the wall clock spent taking them, at most
@@ -176,7 +180,7 @@ class Worker:
             await asyncio.sleep(_RETRY_S)
 
     async def _iterate(self) -> None:
-        room = self.config.max_pull if self.engine.has_capacity() and self._drain_deadline is None else 0
+        room = self._room()
         if self.engine.has_unfinished_requests():
             events, polled = await self._step_while_polling(room)
         else:
@@ -195,6 +199,10 @@ class Worker:
         self._refresh_stats()
         if self.broker.kv_wanted:
             self._take_kv_snapshot()
+
+    def _room(self) -> int:
+        """How many new requests to pull: none while full or draining."""
+        return self.config.max_pull if self.engine.has_capacity() and self._drain_deadline is None else 0
 
     def _lane_ready(self) -> bool:
         return self._lane is not None and self._lane.lane_ready()
@@ -245,7 +253,7 @@ class Worker:
 
     def _lane_step(self, items: Published, checkpoints: list[Progress], room: int) -> tuple[Any, Any]:
         """(the lane's call, the step's outputs or the exception it raised), on either thread."""
-        call = self._lane.lane_send(items, checkpoints, room)
+        call = self._lane.lane_send(items, checkpoints, None if self._last_step_s >= _POLL_AFTER_STEP_S else room)
         started = time.monotonic()
         try:
             return call, self.engine.step()
@@ -253,7 +261,7 @@ class Worker:
             return call, exc
         finally:
             self._last_step_s = time.monotonic() - started
-            self._lane.lane_receive(call)
+            self._lane.lane_receive(call, self._room())  # a drain begun during the step pulls nothing
 
     async def _poll(self, room: int, block: bool) -> _Polled:
         pulled, aborts = await self.broker.poll(room, block)

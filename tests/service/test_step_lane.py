@@ -82,3 +82,85 @@ async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisCon
         assert sends and any(call.replies is not None for call in sends)
     else:
         assert all(not call.sent for call in sends)  # tried, refused: the asyncio path served everything
+
+
+@pytest.mark.parametrize("step_s", [0.3, 0.0])
+async def test_a_request_arriving_during_a_long_step_joins_the_next_one(redis_config: RedisConfig, client,
+                                                                       step_s) -> None:
+    """While steps are long, the lane polls after each step: a request sent during step k is added before step
+    k+1 (polled before step k, with its publish, it would wait for step k+1 to end). Short steps poll with
+    the publish, before the step, and serve the same."""
+    keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=step_s)
+    steps, added_after, calls = [0], {}, []
+    step, add_request, worker = engine.step, engine.add_request, make_worker(redis_config, engine, step_lane=True)
+
+    def counted_step():
+        outputs = step()
+        steps[0] += 1
+        return outputs
+
+    def counted_add(request_id, *args, **kwargs):
+        added_after[request_id] = steps[0]
+        return add_request(request_id, *args, **kwargs)
+
+    engine.step, engine.add_request = counted_step, counted_add
+    start = worker.broker.start
+
+    async def start_recording() -> None:
+        await start()
+        lane_send = worker.broker.lane_send
+        worker.broker.lane_send = lambda *args: calls.append(lane_send(*args)) or calls[-1]
+    worker.broker.start = start_recording
+    async def two_steps_ran() -> bool:
+        return steps[0] >= 2
+
+    async with running(worker):
+        await submit(client, keys, "long", max_tokens=12)
+        await until_async(two_steps_ran)
+        await asyncio.sleep(step_s / 3)  # into the next step
+        sent_after = steps[0]
+        await submit(client, keys, "short", max_tokens=2)
+        assert tokens(await asyncio.wait_for(finished(client, keys, "short"), 10)) == [66, 67]
+        assert len(tokens(await asyncio.wait_for(finished(client, keys, "long"), 10))) == 12
+    assert all(call.poll_after == (step_s > 0) for call in calls[1:])  # the first follows no step
+    if step_s:
+        assert added_after["short"] == sent_after + 1
+
+
+async def test_a_failed_poll_after_the_step_loses_nothing(redis_config: RedisConfig, client) -> None:
+    """The poll's own exchange, after a step that published, reaches Redis (the new entry is delivered) but its
+    reply is lost: the publish stands, the next (asyncio) poll recovers the entry, and both requests finish
+    with every token once."""
+    keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.1)
+    worker = make_worker(redis_config, engine, step_lane=True)
+    start, armed, failed = worker.broker.start, asyncio.Event(), []
+
+    async def start_with_a_failing_poll() -> None:
+        await start()
+        lane = worker.broker._lane
+        send, receive = lane.send, lane.receive
+
+        def send_failing_once(commands):
+            if armed.is_set() and not failed and commands and commands[0][0] == "XREADGROUP":
+                failed.append(send(commands))
+                receive()  # the entry is delivered to this consumer; the worker never sees the reply
+                lane._fail()
+                return False
+            return send(commands)
+        lane.send = send_failing_once
+    worker.broker.start = start_with_a_failing_poll
+
+    async def running_first() -> bool:
+        return "first" in engine.requests
+
+    async with running(worker):
+        await submit(client, keys, "first", max_tokens=8)
+        await until_async(running_first)
+        await submit(client, keys, "second", max_tokens=4)
+        armed.set()
+        second = await asyncio.wait_for(finished(client, keys, "second"), 10)
+        first = await asyncio.wait_for(finished(client, keys, "first"), 10)
+        await until_async(lambda: settled(client, keys))
+    assert failed, "no poll after a step failed"
+    assert tokens(first) == list(range(66, 74)) and tokens(second) == [66, 67, 68, 69]
+    assert [e.index for e in second] == list(range(4))
