@@ -56,9 +56,6 @@ log = logging.getLogger(__name__)
 
 _RECENT_ABORTS = 10_000  # ids remembered so a request aborted while queued is never started
 _RETRY_S = 0.5
-# From this step duration on, the lane's poll waits for the step: one exchange more per step (~20 us on a
-# local Redis) buys a step less of waiting for every request that arrives during one.
-_POLL_AFTER_STEP_S = 0.005
 EXIT_FAILED_STEPS = 3
 KV_SNAPSHOT_INTERVAL_S = 0.5  # at most 2 Hz
 KV_SNAPSHOT_SHARE = 0.005  # of the wall clock spent taking them, at most
@@ -253,7 +250,7 @@ class Worker:
 
     def _lane_step(self, items: Published, checkpoints: list[Progress], room: int) -> tuple[Any, Any]:
         """(the lane's call, the step's outputs or the exception it raised), on either thread."""
-        call = self._lane.lane_send(items, checkpoints, None if self._last_step_s >= _POLL_AFTER_STEP_S else room)
+        call = self._lane.lane_send(items, checkpoints, None if self._last_step_s >= self.config.poll_after_step_s else room)
         started = time.monotonic()
         try:
             return call, self.engine.step()
