@@ -116,8 +116,8 @@ def _parts(name: str, param: nn.Parameter, packed: dict[str, tuple[str, int]],
     if module.endswith(".experts"):  # FusedExperts' stacked w13 / w2: [num_experts, ...]
         return [((e, i), f"{module}.{e}.{part}.weight") for e in range(param.shape[0])
                 for part, (stacked, i) in experts.items() if stacked == attr]
-    parent, _, leaf = module.rpartition(".")
-    return [(i, f"{parent}.{part}.{attr}") for part, (fused, i) in packed.items() if fused == leaf]
+    parts = quantized_model.checkpoint_modules(module, packed)  # a fused layer's, in index order
+    return [(i, f"{part}.{attr}") for i, part in enumerate(parts)] if len(parts) > 1 else []
 
 
 def _count_tensors(files: list[str]) -> int:

@@ -4,8 +4,8 @@ Each engine publishes the (truncated) hashes of the blocks its prefix cache hold
 prompt's full blocks exactly as the engine's prefix cache does (``engine.core.prefix_hash``: chained from the
 first block, keyed by the request's cache salt, so tenant isolation holds across engines), asks each live
 engine's set which of them it has, and routes to the engine with the longest run of leading hits among those
-whose load (requests running or waiting) is within ``slack`` requests of the least loaded one. No hit, or only on engines too busy: the
-request goes to the shared stream, which every engine pulls (``None``).
+whose load (requests running or waiting) is within ``slack`` requests of the least loaded one. No hit, or only
+on engines too busy: the request goes to the shared stream, which every engine pulls (``None``).
 
 An engine publishes its summary with its heartbeat, but a conversation's next turn often comes sooner: the
 gateway also remembers, for a while, which engine took each prompt it submitted (``RecentPrefixes``), and

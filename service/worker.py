@@ -7,8 +7,8 @@ publish every reply of the step in one call, overlapping the next step. With the
 Redis broker and ``step_lane`` on, the publish and the poll ride on the step itself
 (the step lane, ``service.step_lane``): sent just before the step, read just after it, on the
 thread that steps (while steps are long, the poll goes out after the step instead: a request that
-arrives during one then joins the next step, not the one after); a step after a short one runs on the event loop's thread (no
-hand-off), a long one in a dedicated thread, so the heartbeat keeps going. When
+arrives during one then joins the next step, not the one after); a step after a short one runs on
+the event loop's thread (no hand-off), a long one in a dedicated thread, so the heartbeat keeps going. When
 the lane is down, the same calls go through the broker's asyncio client while the
 step runs in the thread. Every heartbeat interval, between steps, it
 also takes over the requests of dead engines (resuming each where its transcript
@@ -250,7 +250,8 @@ class Worker:
 
     def _lane_step(self, items: Published, checkpoints: list[Progress], room: int) -> tuple[Any, Any]:
         """(the lane's call, the step's outputs or the exception it raised), on either thread."""
-        call = self._lane.lane_send(items, checkpoints, None if self._last_step_s >= self.config.poll_after_step_s else room)
+        long_steps = self._last_step_s >= self.config.poll_after_step_s
+        call = self._lane.lane_send(items, checkpoints, None if long_steps else room)
         started = time.monotonic()
         try:
             return call, self.engine.step()

@@ -55,20 +55,32 @@ def test_an_unreachable_redis_is_tried_once_per_interval() -> None:
     assert not lane.ready() and time.monotonic() - started < 1.5
 
 
+def after_start(worker, patch) -> None:
+    """Runs ``patch(broker)`` once the worker's broker has started (its lane exists only then)."""
+    start = worker.broker.start
+
+    async def start_then_patch() -> None:
+        await start()
+        patch(worker.broker)
+    worker.broker.start = start_then_patch
+
+
+def record_lane_sends(broker, calls: list) -> None:
+    lane_send = broker.lane_send
+    broker.lane_send = lambda *args: calls.append(lane_send(*args)) or calls[-1]
+
+
 @pytest.mark.parametrize("lane_works", [True, False])
 async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisConfig, client, lane_works) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine()
     worker = make_worker(redis_config, engine, step_lane=True)
-    broker, sends = worker.broker, []
-    start = broker.start
+    sends = []
 
-    async def start_with_lane() -> None:
-        await start()
+    def patch(broker) -> None:
         if not lane_works:
             broker._lane = StepLane(RedisConfig(url="redis://127.0.0.1:1"), retry_s=60)
-        lane_send = broker.lane_send
-        broker.lane_send = lambda *args: sends.append(lane_send(*args)) or sends[-1]
-    broker.start = start_with_lane
+        record_lane_sends(broker, sends)
+    after_start(worker, patch)
     async with running(worker):
         await submit(client, keys, "r0", max_tokens=3)
         first = await asyncio.wait_for(finished(client, keys, "r0"), 5)
@@ -106,13 +118,8 @@ async def test_a_request_arriving_during_a_long_step_joins_the_next_one(redis_co
         return add_request(request_id, *args, **kwargs)
 
     engine.step, engine.add_request = counted_step, counted_add
-    start = worker.broker.start
+    after_start(worker, lambda broker: record_lane_sends(broker, calls))
 
-    async def start_recording() -> None:
-        await start()
-        lane_send = worker.broker.lane_send
-        worker.broker.lane_send = lambda *args: calls.append(lane_send(*args)) or calls[-1]
-    worker.broker.start = start_recording
     async def two_steps_ran() -> bool:
         return steps[0] >= 2
 
@@ -135,11 +142,10 @@ async def test_a_failed_poll_after_the_step_loses_nothing(redis_config: RedisCon
     with every token once."""
     keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.1)
     worker = make_worker(redis_config, engine, step_lane=True)
-    start, armed, failed = worker.broker.start, asyncio.Event(), []
+    armed, failed = asyncio.Event(), []
 
-    async def start_with_a_failing_poll() -> None:
-        await start()
-        lane = worker.broker._lane
+    def fail_one_poll(broker) -> None:
+        lane = broker._lane
         send, receive = lane.send, lane.receive
 
         def send_failing_once(commands):
@@ -150,7 +156,7 @@ async def test_a_failed_poll_after_the_step_loses_nothing(redis_config: RedisCon
                 return False
             return send(commands)
         lane.send = send_failing_once
-    worker.broker.start = start_with_a_failing_poll
+    after_start(worker, fail_one_poll)
 
     async def running_first() -> bool:
         return "first" in engine.requests
