@@ -28,9 +28,7 @@ import transformers
 from engine import EngineConfig
 from engine.demo_model import ensure_demo_model
 from loadtest.bench_offline import Request
-from loadtest.bench_serving import MODEL_NAME, run_client, summarize, warm_up
-from service.flags import config_argv
-from service.local_stack import LocalStack
+from loadtest.bench_serving import run_client, served_stack, summarize, warm_up
 
 MODES = {"before": ["--poll-after-step", "1e9"], "after": ["--poll-after-step", "0"]}
 
@@ -66,11 +64,7 @@ def write_model(folder: str) -> str:
 def serve(model: str, mode: str, requests: list[Request], rate: float) -> dict:
     config = EngineConfig(model=model, num_threads=1, max_num_seqs=32, num_device_blocks=2048,
                           attention_backend="torch")
-    stack = LocalStack()
-    common = ["--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
-    stack.add_worker(common + config_argv(config) + MODES[mode])
-    stack.add_gateway(common + ["--model", model, "--max-pending-requests", "100000"])
-    with stack:
+    with served_stack(model, config, MODES[mode]) as stack:
         stack.wait_ready(180)
         asyncio.run(run_client(stack.url, warm_up(requests), float("inf"), None, 1))
         stats, duration = asyncio.run(run_client(stack.url, requests, rate, None, 0))

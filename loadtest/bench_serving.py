@@ -94,11 +94,12 @@ def _drain(engine: LLMEngine, requests: list[Request], tag: str) -> int:
     return tokens
 
 
-def served_stack(model: str, config: EngineConfig) -> LocalStack:
-    """A private redis-server, one worker and one gateway, as ``pagedserve serve`` runs them."""
+def served_stack(model: str, config: EngineConfig, worker_argv: list[str] | None = None) -> LocalStack:
+    """A private redis-server, one worker (with ``worker_argv`` too) and one gateway, as ``pagedserve serve``
+    runs them."""
     stack = LocalStack()
     common = ["--served-model-name", MODEL_NAME, "--log-level", "WARNING"]
-    stack.add_worker(common + config_argv(config))  # with its --model
+    stack.add_worker(common + config_argv(config) + (worker_argv or []))  # with its --model
     stack.add_gateway(common + ["--model", model, "--max-pending-requests", "100000"])
     return stack
 
