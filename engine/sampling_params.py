@@ -5,7 +5,7 @@ here and the service's request parsing and API schema all read it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.field_specs import check_fields, spec
 from engine.structured_output import StructuredOutputParams
@@ -13,6 +13,10 @@ from engine.structured_output import StructuredOutputParams
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 128
 MAX_LOGIT_BIAS = 1024
+# Fields beam search takes only at their defaults: its step scores raw log-probabilities (divided by the
+# temperature), so no sampling filter, penalty or output constraint applies.
+FIXED_BY_BEAM_SEARCH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                        "min_tokens", "logprobs", "prompt_logprobs", "structured_output", "logit_bias")
 
 
 @dataclass(slots=True)
@@ -64,14 +68,8 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         if self.n > self.beam_width:
             raise ValueError(f"n ({self.n}) must be <= best_of, the beam width ({self.beam_width})")
-        # The beam step scores raw log-probabilities (divided by the temperature): no sampling filter applies.
-        unsupported = [name for name, value, default in (
-            ("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0),
-            ("presence_penalty", self.presence_penalty, 0.0), ("frequency_penalty", self.frequency_penalty, 0.0),
-            ("repetition_penalty", self.repetition_penalty, 1.0), ("min_tokens", self.min_tokens, 0),
-            ("logprobs", self.logprobs, None), ("prompt_logprobs", self.prompt_logprobs, None),
-            ("structured_output", self.structured_output, None), ("logit_bias", self.logit_bias, None))
-            if value != default]
+        defaults = {f.name: f.default for f in fields(self)}
+        unsupported = [name for name in FIXED_BY_BEAM_SEARCH if getattr(self, name) != defaults[name]]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported with use_beam_search")
 

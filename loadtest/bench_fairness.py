@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event as EventType
 
@@ -127,15 +127,17 @@ def flood_process(url: str, key: str, args: argparse.Namespace, stop: EventType,
 
 
 @contextlib.asynccontextmanager
-async def flooding(url: str, key: str | None, args: argparse.Namespace) -> AsyncIterator[dict[str, int]]:
-    """While inside: ``key``'s flood runs (none without a key); on leaving, its counts fill the dict yielded."""
+async def flooding(url: str, key: str | None, args: argparse.Namespace,
+                   target: Callable[..., None] = flood_process) -> AsyncIterator[dict[str, int]]:
+    """While inside: ``key``'s flood runs (none without a key), ``target(url, key, args, stop, counts)`` in a
+    process of its own; on leaving, its counts fill the dict yielded."""
     counts = {"completed": 0, "refused": 0}
     if key is None:
         yield counts
         return
     context = multiprocessing.get_context("spawn")
     stop, queue = context.Event(), context.Queue()
-    flooder = context.Process(target=flood_process, args=(url, key, args, stop, queue), daemon=True)
+    flooder = context.Process(target=target, args=(url, key, args, stop, queue), daemon=True)
     flooder.start()
     await asyncio.sleep(5.0)  # the process starts and the flood fills the engine first
     try:
@@ -146,10 +148,12 @@ async def flooding(url: str, key: str | None, args: argparse.Namespace) -> Async
         flooder.join()
 
 
-async def phase(url: str, args: argparse.Namespace, flood_key: str | None) -> dict:
+async def phase(url: str, args: argparse.Namespace, flood_key: str | None, flood: str = "flood",
+                target: Callable[..., None] = flood_process) -> dict:
+    """The chat trace's TTFT while ``flood_key``'s ``--flood-clients`` run ``target`` (``flood`` names them)."""
     print(f"phase {flood_key or 'alone'}: {args.chat_requests} chat requests"
-          + (f" under {args.flood_clients} flood clients" if flood_key else ""), flush=True)
-    async with flooding(url, KEYS[flood_key] if flood_key else None, args) as flooded:
+          + (f" under {args.flood_clients} {flood} clients" if flood_key else ""), flush=True)
+    async with flooding(url, KEYS[flood_key] if flood_key else None, args, target) as flooded:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             start = time.perf_counter()
             ttfts = await chat_trace(session, url, args)
@@ -173,11 +177,19 @@ def main() -> None:
     with start_stack(args) as stack:
         stack.wait_ready(180)
         results = asyncio.run(run(stack.url, args))
+    report(results, args)
+
+
+def report(results: dict, args: argparse.Namespace) -> None:
+    """Each phase's line (with its ratios to the alone phase, where computed), and the JSON file if asked."""
     results["config"] = vars(args)
-    for name in ("alone", "flood", "limited"):
-        r, ttft = results[name], results[name]["chat_ttft"]
-        ratio = f", p99 {r['p99_vs_alone']:.2f}x alone" if "p99_vs_alone" in r else ""
-        print(f"{name:8s} chat TTFT mean {ttft['mean_ms']:.0f} ms, median {ttft['median_ms']:.0f} ms, "
+    for name, r in results.items():
+        if name == "config":
+            continue
+        ttft = r["chat_ttft"]
+        ratio = "".join(f", {what} {r[f'{what}_vs_alone']:.2f}x alone" for what in ("median", "p99")
+                        if f"{what}_vs_alone" in r)
+        print(f"{name:9s} chat TTFT mean {ttft['mean_ms']:.0f} ms, median {ttft['median_ms']:.0f} ms, "
               f"p99 {ttft['p99_ms']:.0f} ms{ratio}; flood {r['flood_completed_per_s']:.2f} req/s, "
               f"{r['flood_refused']} refused")
     if args.json:

@@ -52,7 +52,7 @@ class Watched:
     def after_step(self, engine: LLMEngine) -> None:
         if time.monotonic() >= self.due:
             cpu = time.thread_time()
-            _, interval = take_kv_snapshot(engine, "bench", "bench")
+            _, interval = take_kv_snapshot(engine, "bench", "bench", {})
             self.costs.append(time.thread_time() - cpu)
             self.due = time.monotonic() + interval
 

@@ -2,6 +2,7 @@
 
     python -m loadtest.chaos --minutes M --json FILE [--png FILE] [--seed 0] [--clients 6]
         [--workers 2] [--gateways 1] [--max-tokens 120] [--mean-fault-s 6] [--no-redis-faults] [--model PATH]
+        [--hostile 0]
 
 Starts a stack on loopback (private redis-server, ``--workers`` workers with short heartbeats,
 ``--gateways`` gateways, the demo model unless ``--model``), computes each prompt's undisturbed greedy
@@ -22,6 +23,9 @@ one (a failed request's partial text with the undisturbed prefix), counted in ch
 queue and every record (no persistence); workers and gateways write back what they hold, so requests in
 flight complete, except one whose engine dies before its first checkpoint after the restart (an error,
 never a hang or wrong text). New requests sent before any engine beat again are refused with a 503.
+``--hostile N`` adds N clients of another API key beside the load: bad bodies (each a 4xx), resumes of the
+load's live streams (each a 404 that must leave the stream untouched: its text is judged as usual), and
+/tokenize floods; their answers are counted by status, and any 5xx but a 503 while Redis is down fails the run.
 ``--png`` draws a timeline (completions and failures per second, the faults as lines).
 """
 from __future__ import annotations
@@ -49,7 +53,15 @@ from service.local_stack import Child, LocalStack
 
 MODEL_NAME = "chaos"
 API_KEY = "chaos-key"
+HOSTILE_KEY = "chaos-hostile-key"  # another tenant: may not touch the load's streams
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LONE = "\\udcff"  # a lone surrogate as a JSON escape
+# The hostile tenant's bad bodies (raw JSON text): each is the client's mistake, so a 4xx, never a 5xx.
+BAD_BODIES = ('{"model": "chaos", "prompt": "x", "cache_salt": "' + LONE + '"}',
+              '{"model": "chaos", "messages": [{"role": "user", "content": "' + LONE + '"}]}',
+              '{"model": "chaos", "prompt": "x", "n": 100000}', '{"model": "chaos", "prompt": "x", "max_tokens": -1}',
+              '{"model": "chaos", "prompt": "x", "logprobs": 1e9}', '{"model": "chaos", "prompt": ' + "[" * 100 + "]" * 100 + "}",
+              '{"model": "chaos", "prompt": "x", "stop": ' + json.dumps(["a"] * 100) + "}", "not json", '{"model": "chaos", "prompt": NaN}')
 REQUEST_DEADLINE_S = 60.0  # a stream still open after this long counts as hung
 PROMPTS = [f"chaos {i}: paged attention keeps" for i in range(12)]
 ENGINE = EngineConfig(num_device_blocks=256, max_num_seqs=16, num_threads=1, attention_backend="torch")
@@ -71,6 +83,7 @@ class ChaosOptions:
     mean_fault_s: float = 6.0
     redis_faults: bool = True
     model: str | None = None
+    hostile: int = 0  # clients of another key sending bad bodies, resumes of the load's streams, floods
 
 
 @dataclass(slots=True)
@@ -101,6 +114,8 @@ class Run:
     t0: float = field(default_factory=time.monotonic)
     records: list[Record] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
+    live_ids: list[str] = field(default_factory=list)  # the load's latest request ids: the hostile key's targets
+    hostile: Counter = field(default_factory=Counter)  # (what the hostile client did, HTTP status) -> count
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -123,7 +138,7 @@ def judge(outcome: Outcome, expected: str) -> tuple[int, int]:
 
 
 def build_stack(options: ChaosOptions, model: str) -> LocalStack:
-    stack = LocalStack(env={"PAGEDSERVE_API_KEY": API_KEY})
+    stack = LocalStack(env={"PAGEDSERVE_API_KEY": f"{API_KEY},{HOSTILE_KEY}"})
     common = ["--model", model, "--served-model-name", MODEL_NAME, "--log-level", "ERROR"]
     for i in range(options.workers):
         stack.add_worker([*common, *config_argv(ENGINE), *WORKER_FLAGS, "--engine-id", f"w{i}"])
@@ -154,10 +169,35 @@ async def client(run: Run, stack: LocalStack, rng: random.Random, stop_at: float
                                  completion_body(MODEL_NAME, prompt, run.options.max_tokens))
             except TimeoutError:
                 outcome.error = f"hung: no end within {REQUEST_DEADLINE_S:.0f}s"
+            run.live_ids = [*run.live_ids[-31:], outcome.request_id] if outcome.request_id else run.live_ids
             run.records.append(Record(start, run.now(), prompt, outcome.done, None if outcome.done else
                                       outcome.error or "ended without [DONE]", *judge(outcome, run.expected[prompt])))
             if not outcome.done:
                 await asyncio.sleep(0.5)  # a failing service is not hammered
+
+
+async def hostile_client(run: Run, stack: LocalStack, rng: random.Random, stop_at: float) -> None:
+    """Another tenant beside the load: bad bodies, resumes of the load's streams (each must be a 404 that
+    leaves the stream untouched: the load's texts are judged as usual), and /tokenize floods."""
+    headers = {"Authorization": f"Bearer {HOSTILE_KEY}", "Content-Type": "application/json"}
+    timeout = aiohttp.ClientTimeout(total=REQUEST_DEADLINE_S)
+    flood = json.dumps({"model": MODEL_NAME, "prompt": "paged " * 20_000})
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        while run.now() < stop_at:
+            url, kind = rng.choice(stack.urls), rng.choice(("bad body", "foreign resume", "tokenize flood"))
+            if kind == "foreign resume" and run.live_ids:
+                call = session.get(f"{url}/v1/streams/{rng.choice(run.live_ids)}")
+            elif kind == "tokenize flood":
+                call = session.post(f"{url}/tokenize", data=flood)
+            else:
+                kind, call = "bad body", session.post(f"{url}/v1/completions", data=rng.choice(BAD_BODIES))
+            try:
+                async with call as response:
+                    await response.read()
+                    run.hostile[kind, response.status] += 1
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                run.hostile[kind, type(exc).__name__] += 1
+                await asyncio.sleep(0.5)
 
 
 async def chaos(run: Run, stack: LocalStack, rng: random.Random, stop_at: float) -> None:
@@ -208,9 +248,10 @@ async def progress(run: Run, stop_at: float) -> None:
 async def load(options: ChaosOptions, stack: LocalStack) -> Run:
     run = Run(options, await undisturbed(stack, options.max_tokens))
     stop_at = options.minutes * 60
-    rngs = [random.Random(f"{options.seed}:{i}") for i in range(options.clients + 1)]
+    rngs = [random.Random(f"{options.seed}:{i}") for i in range(options.clients + options.hostile + 1)]
     await asyncio.gather(chaos(run, stack, rngs[0], stop_at), progress(run, stop_at),
-                         *(client(run, stack, rng, stop_at) for rng in rngs[1:]))
+                         *(client(run, stack, rng, stop_at) for rng in rngs[1:options.clients + 1]),
+                         *(hostile_client(run, stack, rng, stop_at) for rng in rngs[options.clients + 1:]))
     return run
 
 
@@ -235,6 +276,10 @@ def summarize(run: Run, duration_s: float) -> dict:
             "hung": sum(r.error.startswith("hung") for r in run.records if r.error),
             "failures": dict(reasons.most_common()), "tokens_duplicated": sum(r.duplicated for r in run.records),
             "tokens_lost": sum(r.lost for r in run.records), "faults": [asdict(f) for f in run.faults],
+            "hostile": {f"{kind} -> {status}": n for (kind, status), n in sorted(run.hostile.items(), key=str)},
+            # 503 is the right answer to a resume while Redis is down; any other 5xx is a server fault
+            "hostile_5xx": sum(n for (_, status), n in run.hostile.items() if status in range(500, 600)
+                               and status != 503),
             "requests": [asdict(r) | {"start": round(r.start, 2), "end": round(r.end, 2)} for r in run.records]}
 
 
@@ -283,11 +328,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ChaosOptions, argparse.Na
     p.add_argument("--mean-fault-s", type=float, default=defaults.mean_fault_s, help="mean seconds between faults")
     p.add_argument("--no-redis-faults", action="store_true", help="kill and restart workers only")
     p.add_argument("--model", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--hostile", type=int, default=defaults.hostile,
+                   help="clients of another key beside the load: bad bodies, foreign resumes, /tokenize floods")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--png", help="draw the timeline here")
     args = p.parse_args(argv)
-    options = ChaosOptions(args.minutes, args.seed, args.clients, args.workers, args.gateways, args.max_tokens,
-                           args.mean_fault_s, not args.no_redis_faults, args.model)
+    options = ChaosOptions(minutes=args.minutes, seed=args.seed, clients=args.clients, workers=args.workers,
+                           gateways=args.gateways, max_tokens=args.max_tokens, mean_fault_s=args.mean_fault_s,
+                           redis_faults=not args.no_redis_faults, model=args.model, hostile=args.hostile)
     return options, args
 
 
@@ -300,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
     if args.png:
         plot(result, args.png)
-    clean = result["tokens_duplicated"] == 0 and result["tokens_lost"] == 0 and result["hung"] == 0
+    clean = result["tokens_duplicated"] == 0 and result["tokens_lost"] == 0 and result["hung"] == 0 \
+        and result["hostile_5xx"] == 0
     return 0 if clean else 1
 
 

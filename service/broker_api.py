@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 
 KV_WANTED_S = 5.0  # an engine keeps publishing KV snapshots this long after a gateway last asked
+# The status of the error event that ends a stream whose subscription another connection took over (a newer
+# resume of the same request) or that was lost: the stream's new reader, not this one, owns the request.
+HANDED_OVER_STATUS = 409
 
 
 def kv_snapshot_ttl_s(interval_s: float) -> float:
@@ -112,8 +115,12 @@ class GatewayBroker(Protocol):
     async def abort(self, request_id: str) -> None: ...
     def abort_later(self, request_id: str) -> None: ...
     def detach(self, request_id: str) -> None: ...
-    async def resume(self, request_id: str) -> Resumed | None: ...
+    async def resume(self, request_id: str, tenant: str) -> Resumed | None:
+        """The request's replay and live events, None when unknown, expired or another ``tenant``'s (checked
+        before anything changes); a stream already open here for it ends with a HANDED_OVER_STATUS event."""
     def release(self, request_id: str) -> None: ...
+    def subscribed(self, request_id: str, queue: asyncio.Queue[ReplyEvent]) -> bool:
+        """Whether ``queue`` still gets ``request_id``'s events."""
     def limiter(self, lease_s: float) -> Limiter: ...
     async def kv_snapshot(self, engine_id: str) -> bytes | None:
         """The engine's latest KVSnapshotMsg (None: none yet, or expired); asks it for more for ``KV_WANTED_S``."""

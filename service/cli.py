@@ -116,6 +116,7 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 
     from engine.demo_model import ensure_demo_model
     from engine.models.config import context_length
+    from service.connections import GuardedAppRunner
     from service.redis_gateway import RedisGatewayBroker
     from service.gateway import Gateway
     from service.tokenization import load_tokenizer
@@ -124,7 +125,7 @@ async def _serve_gateway(config: GatewayConfig) -> None:
     name = served_name(config.model, config.served_model_name)
     gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path),
                       RedisGatewayBroker(config))
-    runner = web.AppRunner(gateway.app(), access_log=None)
+    runner = GuardedAppRunner(gateway.app(), config, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("gateway %s serving %r on http://%s:%d/v1", gateway.gateway_id, name, config.host, config.port)
@@ -153,7 +154,8 @@ async def _serve_worker(config: WorkerConfig) -> int:
 
 def _serve_all(args: argparse.Namespace) -> int:
     """A private redis-server on a unix socket, then a worker and a gateway process."""
-    require_auth(args.host, tuple(args.api_keys), args.insecure_no_auth)  # before starting anything
+    keys = (*args.api_keys, *args.admin_keys)
+    require_auth(args.host, keys, args.insecure_no_auth)  # before starting anything
     stack = LocalStack(env=secret_env(_COMMANDS["serve"][1], args))
     stack.add_worker(_child_argv(args, "worker"))
     stack.add_gateway(_child_argv(args, "gateway"), args.host, args.port)

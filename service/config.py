@@ -95,8 +95,26 @@ class GatewayConfig:
     port: int = spec(8000, help="HTTP port")
     api_keys: tuple[str, ...] = spec((), flag="--api-key", secret=True,
                                      help="accepted API key, repeatable (Authorization: Bearer <key>); none: no auth")
+    admin_keys: tuple[str, ...] = spec((), flag="--admin-key", secret=True,
+                                       help="API key that also sees every tenant's requests (KV snapshot ids) and "
+                                            "the /metrics totals, repeatable; with admin keys set, /metrics needs one")
     cors_origins: tuple[str, ...] = spec((), flag="--cors-origin", help="allowed CORS origin, repeatable ('*' for any)")
     max_body_bytes: int = spec(1 << 20, low=1, help="request body limit (413 above)")
+    # Slow clients hold connections for free (slowloris): each phase of a request has a deadline
+    # (docs/security.md, "Connections and timeouts").
+    header_timeout_s: float = spec(10.0, low=0, low_open=True, flag="--header-timeout",
+                                   help="seconds a client has to send a request's headers, from connecting (or, "
+                                        "on a kept-alive connection, from the request's first byte); then the "
+                                        "connection is closed")
+    body_timeout_s: float = spec(30.0, low=0, low_open=True, flag="--body-timeout",
+                                 help="seconds a request's body may take to arrive once its headers are in; then "
+                                      "408 and the connection is closed")
+    keepalive_timeout_s: float = spec(75.0, low=0, low_open=True, flag="--keepalive-timeout",
+                                      help="seconds an idle keep-alive connection is kept open")
+    max_connections_per_peer: int = spec(256, low=0, help="connections one client address (an IPv6 one's /64) may "
+                                                          "hold at once; more are answered 429 and closed; 0: no cap")
+    # A reverse proxy on this host, and local load tests, bring every client through one loopback address.
+    max_loopback_connections: int = spec(4096, low=0, help="the same cap for loopback clients; 0: no cap")
     max_pending_requests: int = spec(256, low=1, help="requests waiting for an engine before 429")
     max_n: int = spec(16, low=1, help="largest n accepted")
     max_stop_strings: int = spec(16, help="most stop strings per request")
@@ -138,9 +156,10 @@ class GatewayConfig:
     reconnect_grace_s: float = spec(10.0, low=0, flag="--reconnect-grace",
                                     help="seconds a stream whose client hung up keeps running for the client "
                                          "to resume it (Last-Event-ID) before it is aborted")
-    tokenizer_threads: int = spec(1, low=1, help="threads that render chat templates, tokenize prompts and "
-                                                 "detokenize outputs, off the event loop (more than one needs a "
-                                                 "tokenizer safe to share)")
+    tokenizer_threads: int | None = spec(None, low=1, help="threads that render chat templates, tokenize prompts "
+                                                            "and detokenize outputs, off the event loop; a tenant "
+                                                            "runs on all but one of them (default: 2 for a fast "
+                                                            "tokenizer, safe to share; 1 otherwise)")
     # Generous: long runs of spaces or symbols are single tokens in many vocabularies.
     max_chars_per_token: int = spec(64, low=1, help="prompts longer than the context length times this many "
                                                     "characters are rejected before tokenizing")
@@ -166,10 +185,15 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if any(not key for key in self.api_keys):
+        if any(not key for key in self.api_keys + self.admin_keys):
             raise ValueError("API keys must be non-empty")
-        require_auth(self.host, self.api_keys, self.insecure_no_auth)
+        require_auth(self.host, self.all_keys, self.insecure_no_auth)
         self.policies()  # a malformed policy fails at start
+
+    @property
+    def all_keys(self) -> tuple[str, ...]:
+        """Every accepted key: the tenants' and the admins'."""
+        return self.api_keys + self.admin_keys
 
     def policies(self) -> tuple[dict[str, KeyPolicy], KeyPolicy]:
         """(policy by API key, the default one)."""

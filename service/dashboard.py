@@ -33,9 +33,10 @@ def page(path: str) -> tuple[bytes, str]:
     return files("service").joinpath("static", name).read_bytes(), content_type
 
 
-def snapshot_json(payload: bytes | None, now: float) -> dict[str, Any] | None:
+def snapshot_json(payload: bytes | None, now: float, viewer: str | None) -> dict[str, Any] | None:
     """The snapshot as the page reads it; None when the engine has published none yet (or another
-    release's, unreadable here)."""
+    release's, unreadable here). Requests of tenants other than ``viewer`` show as anonymous blocks (id "");
+    ``viewer`` None (an admin key) sees every id."""
     if payload is None:
         return None
     try:
@@ -43,14 +44,15 @@ def snapshot_json(payload: bytes | None, now: float) -> dict[str, Any] | None:
     except SchemaError as exc:
         log.warning("unreadable KV snapshot: %s", exc)
         return None
-    return _as_json(msg, now)
+    return _as_json(msg, now, viewer)
 
 
-def _as_json(msg: KVSnapshotMsg, now: float) -> dict[str, Any]:
+def _as_json(msg: KVSnapshotMsg, now: float, viewer: str | None) -> dict[str, Any]:
     return {"engine_id": msg.engine_id, "model": msg.model, "time": msg.time, "age_s": max(0.0, now - msg.time),
             "block_size": msg.block_size, "device": _pool_json(msg.device), "cpu": _pool_json(msg.cpu),
-            "requests": [{"id": request_id, "state": state, "num_seqs": num_seqs, "blocks": _b64(blocks)}
-                         for request_id, state, num_seqs, blocks in msg.requests],
+            "requests": [{"id": request_id if viewer is None or tenant == viewer else "", "state": state,
+                          "num_seqs": num_seqs, "blocks": _b64(blocks)}
+                         for request_id, state, num_seqs, blocks, tenant in msg.requests],
             "stats": asdict(msg.stats)}
 
 

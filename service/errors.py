@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-                503: "service_unavailable_error"}
+                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "internal_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):

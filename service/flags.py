@@ -43,7 +43,20 @@ def add_flag(group: Any, flag: str, help: str, **kwargs: Any) -> None:
             kwargs["default"] = kwargs.get("type", str)(raw)
     shown = "" if action in ("store_true", "store_false", "append") or kwargs.get("default") is None \
         else " (default: %(default)s)"
+    if action == "append":
+        kwargs["action"] = _AppendOverDefault
     group.add_argument(flag, help=f"{help}{shown} [env {env}]", **kwargs)
+
+
+class _AppendOverDefault(argparse._AppendAction):
+    """A repeatable flag whose first use replaces its default (argparse's append adds to it): the flag's
+    values win over the environment twin's, not join them."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is self.default:  # argparse put the default itself there
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
 
 
 @functools.cache

@@ -8,11 +8,12 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -24,30 +25,32 @@ from engine.structured_output import check_structured_output
 
 from service import dashboard, responses
 from service.assembler import ChoiceUpdate, OutputAssembler
-from service.broker_api import BrokerUnavailable, GatewayBroker, Resumed
+from service.broker_api import HANDED_OVER_STATUS, BrokerUnavailable, GatewayBroker, Resumed
+from service.fair_pool import FairPool, PoolFull
 from service.limits import KeyLimits
 from service.config import GatewayConfig
+from service.connections import BodyTimeout, track_requests
 from service.messages import EventKind, ReplyEvent, RequestMsg, StreamRecord, params_to_wire
 from service.metrics import CONTENT_TYPE, GatewayMetrics
-from service.openapi import openapi_document
+from service.openapi import PUBLIC_PATHS, openapi_document
 from service.protocol import (APIError, GenerationRequest, TokenizeRequest, check_context, parse_chat, parse_completion,
                               parse_detokenize, parse_json, parse_tokenize)
 from service.reasoning import ReasoningStream
-from service.tokenization import encode_chat, encode_prompt
+from service.tokenization import encode_chat, encode_prompt, template_chars_per_message
 from service.tool_parsers import PARSERS, ForcedCallParser, MessageStream, ToolCallStream, merge
-from service.tools import check_tool_parser
+from service.tools import ToolRequest, check_tool_parser
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
-# Probes: Kubernetes' httpGet probes cannot send a key. /ready says only ready or not, and why. The
-# dashboard's static files hold no data (the page sends the key with each snapshot fetch).
-_PUBLIC_PATHS = {"/health", "/ready", *dashboard.PAGES}
 _API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated with
 # Keys the tenant HMAC stored with each stream (StreamRecord.tenant): the same on every gateway, so any of
 # them can check a resuming client; API keys are long random secrets, so the digest does not reveal them.
 _TENANT_KEY = b"pagedserve stream tenant"
+# What this gateway names requests (``_admitted``); a resume naming anything else is unknown without a lookup.
+_REQUEST_ID = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}", re.ASCII)
+_EVENT_ID = re.compile(r"((?:chatcmpl|cmpl)-[0-9a-f]{32}):([0-9]{1,9})", re.ASCII)
 
 
 class ClientGone(Exception):
@@ -70,12 +73,16 @@ class Gateway:
         self.limits = KeyLimits(policies, default, config.retry_after_s,
                                 lambda: broker.limiter(config.limit_lease_s))
         # Tokenizing a long prompt takes milliseconds, detokenizing a busy server's streams as much: neither
-        # runs on the event loop, which must keep answering.
-        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        # runs on the event loop, which must keep answering, and each tenant gets its turn at the threads.
+        # One tenant's queue is bounded like the engines' (429 past max_pending_requests).
+        threads = config.tokenizer_threads or (2 if tokenizer.is_fast else 1)
+        self._tokenizer_pool = FairPool(threads, config.max_pending_requests)
+        # Characters the chat template adds per message: empty messages must count against the cap too.
+        self._chars_per_message = template_chars_per_message(tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._cors, self._errors, self._auth])
+                              middlewares=[track_requests, self._cors, self._errors, self._auth])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/streams/{request_id}", self.resume_stream)
@@ -95,7 +102,7 @@ class Gateway:
 
     async def _cleanup(self, _: web.Application) -> None:
         await self.broker.close()
-        self._tokenizer_pool.shutdown(wait=False)
+        self._tokenizer_pool.shutdown()
 
     # ---- middlewares ------------------------------------------------------
     @web.middleware
@@ -104,9 +111,13 @@ class Gateway:
             return await handler(request)
         except APIError as exc:
             return self._error_response(exc)
+        except BodyTimeout as exc:  # the body trickled in too slowly: the connection closes after this
+            return self._error_response(APIError(408, str(exc), code="request_timeout",
+                                                 headers={"Connection": "close"}))
         except web.HTTPException as exc:  # routing errors, 413 from aiohttp's body limit
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-            return self._error_response(APIError(exc.status, exc.text or exc.reason, code=code))
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
+            return self._error_response(APIError(exc.status, exc.text or exc.reason, code=code, headers=allow))
         except Exception:
             return self._error_response(internal_error(f"unhandled error on {request.path}"))
 
@@ -131,12 +142,19 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.api_keys and request.path not in _PUBLIC_PATHS:
+        if self.config.all_keys and request.path not in PUBLIC_PATHS:
             request[_API_KEY] = self._matching_key(request)
             if request[_API_KEY] is None:
                 raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
+            if request.path == "/metrics" and self.config.admin_keys and not self._is_admin(request):
+                raise APIError(403, "the metrics are totals over every tenant: they need an admin key",
+                               code="admin_key_required")
         return await handler(request)
+
+    def _is_admin(self, request: web.Request) -> bool:
+        """An admin key sees every tenant (without keys there are no tenants to keep apart)."""
+        return not self.config.all_keys or request.get(_API_KEY) in self.config.admin_keys
 
     def _matching_key(self, request: web.Request) -> str | None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -145,7 +163,7 @@ class Gateway:
         except UnicodeEncodeError:  # undecodable header bytes (surrogates): no key matches them
             return None
         match = None
-        for key in self.config.api_keys:  # no early exit: time does not depend on which key matched
+        for key in self.config.all_keys:  # no early exit: time does not depend on which key matched
             if hmac.compare_digest(given_bytes, key.encode()):
                 match = key
         return match if scheme.lower() == "bearer" else None
@@ -195,7 +213,8 @@ class Gateway:
             payload = await self.broker.kv_snapshot(engine_id)
         except BrokerUnavailable as exc:
             raise unavailable(str(exc), self.config.retry_after_s) from exc
-        snapshot = await self.off_loop(dashboard.snapshot_json, payload, time.time())
+        viewer = None if self._is_admin(http) else self.tenant_of(http)
+        snapshot = await self.off_loop(http, dashboard.snapshot_json, payload, time.time(), viewer)
         response = web.json_response({"object": "kv_snapshot", "engines": engines, "engine": engine_id,
                                       "snapshot": snapshot})
         response.enable_compression()
@@ -237,64 +256,80 @@ class Gateway:
         self._check_model(req.model)
         self._check_chars(req)
         check_tool_parser(req.tools, self.config.tool_call_parser)
-        await self._check_structured_output(req)
-        if len(req.prompts) <= 1:
-            return await (await self._submit(http, req, body, start)).serve()
-        # A list of prompts: one engine request each, every one stored with its own prompt (so each resumes
-        # alone), answered as one response whose choice k * n + i is choice i of prompt k.
-        fields = json.loads(body)
-        runs: list[_Run] = []
-        try:
-            for prompt in req.prompts:
-                one = replace(req, prompt=prompt, prompts=[prompt], params=replace(req.params))
-                runs.append(await self._submit(http, one, json.dumps({**fields, "prompt": prompt}).encode(), start))
-        except BaseException:
-            for run in runs:
-                run.close()
-            raise
-        return await serve_runs(runs)
+        await self._check_structured_output(http, req)
+        async with AsyncExitStack() as admitted:
+            runs = [await admitted.enter_async_context(self._admitted(http, one, one_body, start))
+                    for one, one_body in _engine_requests(req, body)]
+            return await serve_runs(runs)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
 
-    async def _check_structured_output(self, req: GenerationRequest) -> None:
+    async def _check_structured_output(self, http: web.Request, req: GenerationRequest) -> None:
         """Compiles the schema / regex / grammar once (cached) on the tokenizer threads: a bad one is a 400
         here, never a failure in the engine."""
         if (so := req.params.structured_output) is None:
             return
         try:
-            await self.off_loop(check_structured_output, so, self.config.max_structured_output_chars)
+            await self.off_loop(http, check_structured_output, so, self.config.max_structured_output_chars,
+                                bounded=True)
         except ValueError as exc:
             raise APIError(400, str(exc), param=req.structured_output_param) from None
 
-    async def _submit(self, http: web.Request, req: GenerationRequest, body: bytes, start: float) -> _Run:
-        """Tokenizes, checks the context and the queue, and queues one engine request."""
-        prompt_ids, assembler = await self.off_loop(self._prepare, req)
+    @asynccontextmanager
+    async def _admitted(self, http: web.Request, req: GenerationRequest, body: bytes,
+                        start: float) -> AsyncIterator[_Run]:
+        """One engine request from admission to its end: tokenized and checked, then queued with the key's
+        slot held. Whatever happens once the slot is taken, leaving gives back all it took (the slot, the
+        reply subscription, the engine's request and its KV blocks): ``_Run.close``, or ``_unadmit`` when
+        the request never reached the queue."""
+        prompt_ids, assembler = await self.off_loop(http, self._prepare, req, bounded=True)
         check_context(req, len(prompt_ids), self._context_len())
         self._check_capacity()
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         api_key, tenant = http.get(_API_KEY, ""), self.tenant_of(http)
-        now = time.time()
-        msg = RequestMsg(request_id, prompt_ids, params_to_wire(req.params), self.gateway_id, now,
-                         self.model_name, self._cache_salt(http, req.cache_salt),
-                         req.priority + self.limits.policy(api_key).priority)
-        record = StreamRecord(request_id, self.gateway_id, body, prompt_ids, int(now), int(now * 1000), tenant)
+        await self.limits.acquire(api_key, tenant, request_id, len(prompt_ids) + req.params.max_tokens * req.params.n)
+        run: _Run | None = None
         try:
-            await self.limits.acquire(api_key, tenant, request_id,
-                                      len(prompt_ids) + req.params.max_tokens * req.params.n)
+            msg, record = self._request_records(http, req, body, request_id, prompt_ids)
             queue = await self.broker.submit(msg, record)
+            run = _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created)
+            yield run
         except BrokerUnavailable as exc:
-            self.limits.release(api_key, tenant, request_id)
             raise unavailable(str(exc), self.config.retry_after_s) from exc
-        return _Run(self, http, req, request_id, prompt_ids, assembler, queue, start, record.created)
+        finally:
+            if run is None:
+                self._unadmit(http, request_id)
+            else:
+                run.close()
+
+    def _unadmit(self, http: web.Request, request_id: str) -> None:
+        """A request that failed between taking its slot and being queued: the slot back, and an abort in
+        case its queue entry landed all the same."""
+        self.limits.release(http.get(_API_KEY, ""), self.tenant_of(http), request_id)
+        self.abort_later(request_id)
+
+    def _request_records(self, http: web.Request, req: GenerationRequest, body: bytes, request_id: str,
+                         prompt_ids: list[int]) -> tuple[RequestMsg, StreamRecord]:
+        """The engine's message and the stored record a resume reads."""
+        api_key, tenant, now = http.get(_API_KEY, ""), self.tenant_of(http), time.time()
+        msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_ids, params=params_to_wire(req.params),
+                         gateway_id=self.gateway_id, arrival_time=now, model=self.model_name,
+                         cache_salt=self._cache_salt(http, req.cache_salt),
+                         priority=req.priority + self.limits.policy(api_key).priority, tenant=tenant)
+        record = StreamRecord(request_id=request_id, gateway_id=self.gateway_id, body=body,
+                              prompt_token_ids=prompt_ids, created=int(now), arrival_ms=int(now * 1000),
+                              tenant=tenant)
+        return msg, record
 
     # ---- /tokenize, /detokenize (vLLM's) -------------------------------------
     async def tokenize(self, http: web.Request) -> web.Response:
         req = parse_tokenize(parse_json(await http.read()))
         self._check_model(req.model)
-        ids = await self.off_loop(self._tokenize_only, req)
+        self._check_tokenize_chars(req)
+        ids = await self.off_loop(http, self._tokenize_only, req, bounded=True)
         return web.json_response({"count": len(ids), "max_model_len": self._context_len(), "tokens": ids})
 
     def _tokenize_only(self, req: TokenizeRequest) -> list[int]:
@@ -311,7 +346,10 @@ class Gateway:
         model, ids = parse_detokenize(parse_json(await http.read()))
         self._check_model(model)
         self._check_ids("tokens", ids)
-        return web.json_response({"prompt": await self.off_loop(self.tokenizer.decode, ids)})
+        if len(ids) > (context := self._context_len()):
+            raise APIError(400, f"This model's maximum context length is {context} tokens; this request has "
+                                f"{len(ids)}.", param="tokens", code="context_length_exceeded")
+        return web.json_response({"prompt": await self.off_loop(http, self.tokenizer.decode, ids, bounded=True)})
 
     # ---- resume (SSE Last-Event-ID) ----------------------------------------
     async def resume_stream(self, http: web.Request) -> web.StreamResponse:
@@ -325,15 +363,14 @@ class Gateway:
 
     async def _resume(self, http: web.Request, request_id: str, seen: int, start: float) -> web.StreamResponse:
         """Replays the stream through a fresh assembler (the same events make the same SSE events), sends
-        those after ``seen``, then continues live."""
-        try:
-            resumed = await self.broker.resume(request_id)
-        except BrokerUnavailable as exc:
-            raise unavailable(str(exc), self.config.retry_after_s) from exc
-        if resumed is not None and not hmac.compare_digest(resumed.record.tenant.encode(),
-                                                           self.tenant_of(http).encode()):
-            self.broker.release(request_id)
-            resumed = None  # another key's stream: as unknown as one that never existed
+        those after ``seen``, then continues live. The broker checks the tenant before it touches anything:
+        another key's stream is as unknown as one that never existed."""
+        resumed = None
+        if _REQUEST_ID.fullmatch(request_id):
+            try:
+                resumed = await self.broker.resume(request_id, self.tenant_of(http))
+            except BrokerUnavailable as exc:
+                raise unavailable(str(exc), self.config.retry_after_s) from exc
         if resumed is None:
             raise APIError(404, f"stream {request_id!r} is unknown or past the retention window",
                            code="stream_not_found")
@@ -358,9 +395,18 @@ class Gateway:
         """Whose stream it is: an HMAC of the API key, the same on every gateway (never the key itself)."""
         return hmac.new(_TENANT_KEY, http.get(_API_KEY, "").encode(), hashlib.sha256).hexdigest()
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the tokenizer threads (one tokenizer, so never two calls at once by default)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+    async def off_loop(self, http: web.Request, fn: Callable[..., T], *args: Any, bounded: bool = False) -> T:
+        """``fn(*args)`` on the tokenizer threads, in the turn of ``http``'s tenant; ``bounded`` (work that
+        admits a new request): a 429 rather than a tenant queue longer than ``max_pending_requests``."""
+        try:
+            return await self._tokenizer_pool.run(self._share_of(http), fn, *args, bounded=bounded)
+        except PoolFull as exc:
+            raise APIError(429, f"{exc}; retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+
+    def _share_of(self, http: web.Request) -> str:
+        """Whose turn a tokenizer job takes: the tenant's, or without keys (no tenants) the client address's."""
+        return self.tenant_of(http) if self.config.all_keys else f"peer {http.remote}"
 
     def _check_chars(self, req: GenerationRequest) -> None:
         """Rejects a prompt that cannot fit the context whatever the tokenizer makes of it, before paying
@@ -368,7 +414,8 @@ class Gateway:
         context = self._context_len()
         chars = context * self.config.max_chars_per_token
         if req.chat:
-            sizes = [(_chat_chars(req), chars, "characters of messages and tools")]
+            size = _chat_chars(req.messages, req.tools, self._chars_per_message)
+            sizes = [(size, chars, "characters of messages, tools and their template")]
         else:  # each prompt is its own engine request and must fit on its own
             sizes = [(len(p), context, "token ids") if isinstance(p, list) else (len(p), chars, "characters")
                      for p in req.prompts]
@@ -377,6 +424,17 @@ class Gateway:
                 raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
                                     f"accepts at most {limit} {what}; this request has {size}.",
                                param="messages" if req.chat else "prompt", code="context_length_exceeded")
+
+    def _check_tokenize_chars(self, req: TokenizeRequest) -> None:
+        """/tokenize's text is held to the same cap as a prompt's: the tokenizer's time is everyone's."""
+        context = self._context_len()
+        limit = context * self.config.max_chars_per_token
+        chat = req.messages is not None
+        size = _chat_chars(req.messages, req.tools, self._chars_per_message) if chat else len(req.prompt)
+        if size > limit:
+            raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
+                                f"tokenizes at most {limit} characters; this request has {size}.",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
@@ -448,6 +506,8 @@ class _Run:
         self.prompt_logprobs: list[Any] | None = None  # the engine's, from the first event that has them
         self.engine_done = False
         self.client_gone = False
+        self.handed_over = False  # its subscription went to a newer connection (or was lost): not its to end
+        self.closed = False
         # A streamed chat choice's parsers (reasoning, tool calls); a whole response parses each choice at its end.
         self.messages = [self._message_stream(i) for i in range(req.params.n)] if req.chat and req.stream else []
 
@@ -468,9 +528,15 @@ class _Run:
             self.close()
 
     def close(self) -> None:
-        """Every end publishes the abort, unless the engine already ended the request; a stream whose
-        client hung up is left running a while for the client to resume it (its key's slot is freed now)."""
+        """Every end publishes the abort, unless the engine already ended the request or another connection
+        took the stream over; a stream whose client hung up is left running a while for the client to resume
+        it (its key's slot is freed now). Once: the serving path and the admission both close it."""
+        if self.closed:
+            return
+        self.closed = True
         self.gw.limits.release(self.http.get(_API_KEY, ""), self.gw.tenant_of(self.http), self.request_id)
+        if self.handed_over:
+            return
         if self.engine_done:
             self.gw.broker.release(self.request_id)
         elif self.client_gone and self.req.stream:
@@ -487,7 +553,7 @@ class _Run:
             for event in outputs:
                 self._observe(event)
             if outputs:
-                updates = await self.gw.off_loop(self._apply, outputs)
+                updates = await self.gw.off_loop(self.http, self._apply, outputs)
                 if any(e.finished for e in outputs):
                     self.engine_done = True
                 elif self.assembler.finished:
@@ -496,6 +562,7 @@ class _Run:
                 yield updates
             if events[-1].kind is EventKind.ERROR and not self.assembler.finished:
                 self.engine_done = bool(events[-1].engine_id)  # "": the gateway's own (a deadline, a gap)
+                self.handed_over = events[-1].status == HANDED_OVER_STATUS and not events[-1].engine_id
                 raise self._engine_error(events[-1])
         self._record_finish()
 
@@ -525,10 +592,14 @@ class _Run:
                                   self.request_id, code="engine_error", with_traceback=False)
         if event.status == 503:
             return unavailable(event.error or "no engine could serve this request", self.gw.config.retry_after_s)
+        if self.handed_over:
+            return APIError(event.status, event.error, code="stream_taken_over")
         return APIError(event.status, event.error or "the engine failed this request",
                         code="engine_error" if event.status >= 500 else None)
 
     async def _next_event(self) -> ReplyEvent:
+        """Waits no longer than the client stays, nor than the broker keeps this run subscribed (a stream
+        whose subscription went away ends with an error, never hangs)."""
         while True:
             try:
                 return await asyncio.wait_for(self.queue.get(), self.gw.config.engine_poll_s)
@@ -536,6 +607,9 @@ class _Run:
                 transport = self.http.transport
                 if transport is None or transport.is_closing():
                     raise ClientGone() from None
+                if self.queue.empty() and not self.gw.broker.subscribed(self.request_id, self.queue):
+                    return ReplyEvent(EventKind.ERROR, "", finished=True, status=HANDED_OVER_STATUS,
+                                      error="this stream lost its subscription; resume it (Last-Event-ID)")
 
     def _observe(self, event: ReplyEvent) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
@@ -570,7 +644,7 @@ class _Run:
                     lp_parts[u.index].append(logprobs)
         choices = [self._final_choice(i, parts) for i, parts in enumerate(lp_parts)]
         if self.req.echo or self.req.prompt_logprobs is not None:
-            await self.gw.off_loop(self._add_prompt_parts, choices)
+            await self.gw.off_loop(self.http, self._add_prompt_parts, choices)
         obj = "chat.completion" if self.req.chat else "text_completion"
         return responses.envelope(self.request_id, obj, self.created, self.gw.model_name, choices, self._usage())
 
@@ -738,21 +812,33 @@ class _SSEWriter:
             await self.response.write(f"id: {self.request_id}:{k}\ndata: {data}\n\n".encode("utf-8"))
 
 
-def _chat_chars(req: GenerationRequest) -> int:
-    """The characters a chat request renders: message text, tool-call arguments and tool definitions."""
+def _chat_chars(messages: list[dict[str, Any]], tools: ToolRequest | None, chars_per_message: int) -> int:
+    """The characters a chat request renders: message text, tool-call arguments, tool definitions, and what
+    the template adds around each message (so a flood of empty messages counts too)."""
     size = sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
-               for m in req.messages)
-    tools = req.tools.template_tools() if req.tools is not None else None
-    return size + (len(json.dumps(tools)) if tools else 0)
+               for m in messages)
+    listed = tools.template_tools() if tools is not None else None
+    return size + len(messages) * chars_per_message + (len(json.dumps(listed)) if listed else 0)
 
 
 def parse_event_id(value: str) -> tuple[str, int]:
-    """``<request id>:<k>`` (an SSE event id of this server) as its parts."""
-    request_id, _, k = value.strip().rpartition(":")
-    if not request_id or not k.isdigit():
+    """``<request id>:<k>`` (an SSE event id of this server) as its parts; anything else (another shape of
+    id, a number of more than 9 ASCII digits) is the client's mistake."""
+    match = _EVENT_ID.fullmatch(value.strip())
+    if match is None:
         raise APIError(400, "Last-Event-ID must be '<request id>:<event number>', as sent in the stream's "
                             "'id:' fields", code="invalid_last_event_id")
-    return request_id, int(k)
+    return match[1], int(match[2])
+
+
+def _engine_requests(req: GenerationRequest, body: bytes) -> list[tuple[GenerationRequest, bytes]]:
+    """One engine request per prompt, each stored with its own prompt (so each resumes alone); a list of
+    prompts is answered as one response whose choice k * n + i is choice i of prompt k."""
+    if len(req.prompts) <= 1:
+        return [(req, body)]
+    fields = json.loads(body)
+    return [(replace(req, prompt=prompt, prompts=[prompt], params=replace(req.params)),
+             json.dumps({**fields, "prompt": prompt}).encode()) for prompt in req.prompts]
 
 
 def unavailable(message: str, retry_after_s: int) -> APIError:

@@ -96,7 +96,7 @@ class MemoryGatewayBroker(ReplyRouter):
         self.release(request_id)
         self.bus.aborts.append(request_id)
 
-    async def resume(self, request_id: str) -> Resumed | None:
+    async def resume(self, request_id: str, tenant: str) -> Resumed | None:
         return None
 
     def receive(self, payload: bytes) -> None:

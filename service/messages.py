@@ -22,7 +22,7 @@ from engine.stats import EngineStats
 # ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
 # carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
 # 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 T = TypeVar("T")
 
@@ -43,6 +43,7 @@ class RequestMsg:
     model: str  # the served model it is for: only an engine serving that model may take it
     cache_salt: str | None = None
     priority: int = 0  # lower is scheduled first (vLLM's convention)
+    tenant: str = ""  # HMAC of the API key: whose request it is (the KV snapshot hides other tenants' ids)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,8 @@ class Heartbeat:
 class KVSnapshotMsg:
     """An engine's KV snapshot (``engine.core.kv_snapshot``), published while a dashboard watches. Each pool
     is a map of per-block arrays as raw little-endian bytes (``POOL_ARRAYS``: name -> dtype), each request
-    ``[request_id, state, num_seqs, block ids as <u4 bytes]``: a few bytes a block, whatever the pool size."""
+    ``[request_id, state, num_seqs, block ids as <u4 bytes, tenant]``: a few bytes a block, whatever the pool
+    size."""
 
     engine_id: str
     model: str
@@ -188,11 +190,12 @@ class KVSnapshotMsg:
 POOL_ARRAYS = {"state": "<u1", "ref_count": "<u2", "owner": "<u2", "filled": "<u2", "computed": "<u2"}
 
 
-def kv_snapshot_msg(engine_id: str, model: str, snap: KVSnapshot) -> KVSnapshotMsg:
-    return KVSnapshotMsg(engine_id, model, snap.time, snap.block_size, _pool_wire(snap.device),
-                         _pool_wire(snap.cpu), [[r.request_id, r.state, r.num_seqs,
-                                                 np.asarray(r.block_ids, "<u4").tobytes()] for r in snap.requests],
-                         snap.stats)
+def kv_snapshot_msg(engine_id: str, model: str, snap: KVSnapshot, tenants: dict[str, str]) -> KVSnapshotMsg:
+    """``tenants``: each request's tenant (RequestMsg.tenant), so a gateway can hide other tenants' ids."""
+    rows = [[r.request_id, r.state, r.num_seqs, np.asarray(r.block_ids, "<u4").tobytes(),
+             tenants.get(r.request_id, "")] for r in snap.requests]
+    return KVSnapshotMsg(engine_id=engine_id, model=model, time=snap.time, block_size=snap.block_size,
+                         device=_pool_wire(snap.device), cpu=_pool_wire(snap.cpu), requests=rows, stats=snap.stats)
 
 
 def _pool_wire(pool: PoolSnapshot) -> dict[str, bytes]:
@@ -209,8 +212,8 @@ def decode_kv_snapshot(payload: bytes) -> KVSnapshotMsg:
                   for name, dtype in POOL_ARRAYS.items()]
         if len(set(counts)) != 1 or counts[0] < 0 or not counts[0].is_integer():
             raise SchemaError("a KVSnapshotMsg pool's arrays are not one entry per block")
-    if not all(isinstance(r, list) and len(r) == 4 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
-               for r in msg.requests):
+    if not all(isinstance(r, list) and len(r) == 5 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
+               and isinstance(r[4], str) for r in msg.requests):
         raise SchemaError("malformed KVSnapshotMsg requests")
     return msg
 

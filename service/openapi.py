@@ -2,17 +2,33 @@
 main fields; the full field semantics are OpenAI's, as read by vLLM). The
 sampling fields' types, bounds and defaults come from SamplingParams, the
 server's own caps (n and best_of, logprobs, stop strings) and the model name from the
-gateway's config, so a fuzzer driven by the document sends what the server takes."""
+gateway's config, and the rules between fields (one structured output source, beam search's
+fixed fields, ...) are stated in the request schemas, so that a body the document allows is one
+the server takes. What no JSON schema can state is named in the fields' descriptions: token ids
+within the vocabulary, a prompt's length in tokens, min_tokens against max_tokens and n against
+best_of (no schema compares two fields), a JSON schema / regex / grammar / JSON text that must
+compile, unique tool names and a tool_choice naming one of them.
+
+The document is also where authentication is declared: each operation's ``security`` (none on
+``PUBLIC_PATHS``, which the gateway's auth lets through), with the 401 / 403 it answers."""
 from __future__ import annotations
 
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from engine.field_specs import value_bounds, value_type
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import FIXED_BY_BEAM_SEARCH, SamplingParams
+from engine.structured_output import MAX_CHOICES
 
+from service import dashboard
 from service.config import GatewayConfig
-from service.protocol import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES
+from service.protocol import (_TEMPLATE_ARGS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES,
+                              SO_SOURCES)
+from service.tools import MAX_TOOLS, TOOL_NAME
+
+# Routes that answer without an API key: the probes (Kubernetes' httpGet probes cannot send one; /ready
+# says only ready or not, and why) and the dashboard's static files (no data: the page asks for a key).
+PUBLIC_PATHS = frozenset({"/health", "/ready", *dashboard.PAGES})
 
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
 _PARAMS = {f.name: f for f in fields(SamplingParams)}
@@ -36,19 +52,26 @@ def _param(f: Field, with_default: bool = True) -> dict[str, Any]:
 _MAX_TOKENS = _param(_PARAMS["max_tokens"], with_default=False)  # chat's default is "up to the context"
 # SamplingParams fields a body gives in another shape (the structured output through the fields below).
 _NOT_SCALAR = {"logprobs", "structured_output", "logit_bias", "prompt_logprobs"}
-_JSON_SCHEMA = {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema (or its JSON text)"}
-_STRUCTURED = {  # at most one of these per request
+_JSON_SCHEMA = {"oneOf": [{"type": "object"}, {"type": "string"}],
+                "description": "a JSON schema (or its JSON text), which must compile"}
+_REGEX = {"type": "string", "description": "a regular expression, which must compile"}
+_CHOICE = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string"}}
+_GRAMMAR = {"type": "string", "description": "EBNF (xgrammar's / GBNF syntax), which must compile"}
+_STRUCTURED = {  # at most one of these per request (_output_rule)
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
                                                          "strict": {"type": ["boolean", "null"]},
-                                                         "description": {"type": "string"}}}}},
-    "guided_json": _JSON_SCHEMA, "guided_regex": {"type": "string"},
-    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
-    "guided_grammar": {"type": "string", "description": "EBNF (xgrammar's / GBNF syntax)"},
-    "structured_outputs": {"type": "object", "description": "vLLM's: one of the properties", "properties": {
-        "json": _JSON_SCHEMA, "regex": {"type": "string"}, "choice": {"type": "array", "items": {"type": "string"}},
-        "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
+                                                         "description": {"type": "string"}}}},
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]}},
+    "guided_json": _JSON_SCHEMA, "guided_regex": _REGEX, "guided_choice": _CHOICE, "guided_grammar": _GRAMMAR,
+    "structured_outputs": {
+        "type": "object", "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object: true",
+        "properties": {"json": _JSON_SCHEMA, "regex": _REGEX, "choice": _CHOICE, "grammar": _GRAMMAR,
+                       "json_object": {"type": "boolean"}},
+        "additionalProperties": {"enum": [None, False]},  # any other key only unset
+        "oneOf": [*({"required": [kind]} for kind in ("json", "regex", "choice", "grammar")),
+                  {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]},
 }
 _SAMPLING = {
     **{name: _param(f) for name, f in _PARAMS.items() if name not in _NOT_SCALAR}, "max_tokens": _MAX_TOKENS,
@@ -71,25 +94,37 @@ _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "id": {"type": "string"}, "type": {"enum": ["function"]},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "minLength": 1},
-        "arguments": {"type": "string", "description": "a JSON object as text"}}}}}
+        "arguments": {"oneOf": [{"type": "object"}, {
+            "type": "string", "contentMediaType": "application/json", "contentSchema": {"type": "object"},
+            "description": "a JSON object as text (or blank: no arguments)"}]}}}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": sorted(ROLES)},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
     "name": {"type": "string"}, "tool_call_id": {"type": "string"},
-    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"}}}
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"}},
+    # Only an assistant's message may leave out its content (or carry tool calls).
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "else": {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}},
+             "not": {"required": ["tool_calls"]}}}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "name": {"type": "string", "pattern": f"^{TOOL_NAME.pattern}$",
+                 "description": "unique among the request's tools"},
+        "description": {"type": "string"}, "parameters": {"type": "object", "description": "a JSON schema, "
+                                                                                         "which must compile"},
         "strict": {"type": "boolean"}}}}}
-_TEMPLATE_KWARGS = {"type": "object", "description": "extra chat template variables, e.g. {\"enable_thinking\": false}"}
+_TOOL_CHOICE = {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "description": "one of the tools' names"}}}}}]}
+_TOOL_FIELDS = {"tools": {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL}, "tool_choice": _TOOL_CHOICE,
+                "parallel_tool_calls": {"type": "boolean"}}
+_TEMPLATE_KWARGS = {"type": "object", "propertyNames": {"not": {"enum": sorted(_TEMPLATE_ARGS)}},
+                    "description": "extra chat template variables, e.g. {\"enable_thinking\": false}; not "
+                                   "apply_chat_template's own arguments"}
 _CHAT = {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
          "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},
-         "top_logprobs": _param(_PARAMS["logprobs"]), "tools": {"type": "array", "items": _TOOL},
-         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
-             "type": "object", "required": ["type", "function"], "properties": {
-                 "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"],
-                                                              "properties": {"name": {"type": "string"}}}}}]},
-         "parallel_tool_calls": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},
+         "top_logprobs": _param(_PARAMS["logprobs"]), **_TOOL_FIELDS, "add_generation_prompt": {"type": "boolean"},
          "chat_template_kwargs": _TEMPLATE_KWARGS}
 _TEXT_PROMPT = {"type": "string", "minLength": 1}
 _ID_PROMPT = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
@@ -98,48 +133,130 @@ _COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT, {
     "items": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT]}}]}, "logprobs": _param(_PARAMS["logprobs"]),
     "echo": {"type": "boolean",
              "description": "the prompt (and, with logprobs, its tokens' logprobs) before the completion; with "
-                            "max_tokens=0 the prompt alone; not with stream"}}
+                            "max_tokens=0 the prompt alone; not with stream"},
+    "suffix": {"const": "", "description": "not supported: only an empty suffix is accepted"}}
+
+
+# ---- rules between fields --------------------------------------------------
+# What service/protocol.py refuses across fields, in JSON Schema. Each rule is an anyOf whose branches fix
+# properties (False: the field is left out), and the branches stay few: schema tools (schemathesis) expand
+# the rules' product, and give up on a few dozen branches.
+_UNCONSTRAINED_OUTPUT = {"response_format": {"properties": {"type": {"const": "text"}}},
+                         **{name: False for name in SO_SOURCES if name != "response_format"}}
+_NOT_FORCED = {"enum": ["none", "auto"]}  # any other tool_choice forces a call: its JSON is the output
+
+
+def _branch(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    return {"properties": properties} | ({"required": list(required)} if required else {})
+
+
+def _at_default(name: str, chat: bool) -> dict[str, Any]:
+    """The properties that leave SamplingParams' ``name`` at its default (for the fields a body gives in
+    another shape: left out, false, empty, or no source of a structured output)."""
+    if name not in _NOT_SCALAR:
+        return {name: {"const": _PARAMS[name].default}}
+    return {"logprobs": {"logprobs": {"const": False} if chat else False},
+            "prompt_logprobs": {"prompt_logprobs": False}, "logit_bias": {"logit_bias": {"maxProperties": 0}},
+            "structured_output": _UNCONSTRAINED_OUTPUT | ({"tool_choice": _NOT_FORCED} if chat else {})}[name]
+
+
+def _output_rule(chat: bool, config: GatewayConfig) -> dict[str, Any]:
+    """What shapes the output, one of: beam search (its fixed fields at their defaults, no stream; best_of,
+    the beam width, only with it), one source of a structured output, or (chat) a forced tool call.
+    Without a tool-call parser, tool_choice "auto" (the default) is refused: tools are listed with a
+    forced call only (the server also takes them with tool_choice "none")."""
+    beam = {"use_beam_search": {"const": True}, "stream": {"const": False},
+            **{k: v for name in FIXED_BY_BEAM_SEARCH for k, v in _at_default(name, chat).items()}}
+    sampling = {"use_beam_search": {"const": False}, "best_of": False}  # (best_of equal to n is also taken)
+    not_forced: dict[str, Any] = {}
+    if chat:
+        no_parser = config.tool_call_parser in (None, "none")
+        not_forced = {"tool_choice": _NOT_FORCED} | ({"tools": {"maxItems": 0}} if no_parser else {})
+    branches = [_branch(beam | not_forced, "use_beam_search"),
+                *(_branch({**sampling, **not_forced, **{other: False for other in SO_SOURCES if other != source}})
+                  for source in SO_SOURCES)]
+    if chat:
+        forced = {**sampling, **_UNCONSTRAINED_OUTPUT, "tool_choice": {"not": _NOT_FORCED}, "tools": {"minItems": 1}}
+        branches.append(_branch(forced, "tool_choice", "tools"))
+    return {"anyOf": branches}
+
+
+def _stream_rule(chat: bool) -> dict[str, Any]:
+    """prompt_logprobs (and a completion's echo) are not streamed; stream_options only come with a stream."""
+    streamed = {"stream": {"const": True}, "prompt_logprobs": False, **({} if chat else {"echo": {"const": False}})}
+    return {"anyOf": [_branch(streamed, "stream"), _branch({"stream": {"const": False}, "stream_options": False})]}
+
+
+def _generation_rules(config: GatewayConfig, chat: bool) -> list[dict[str, Any]]:
+    rules = [_output_rule(chat, config), _stream_rule(chat)]
+    if chat:  # top_logprobs needs logprobs: true
+        rules.append({"anyOf": [_branch({"top_logprobs": False}), _branch({"logprobs": {"const": True}}, "logprobs")]})
+    return rules
+
+
+# A forced call needs a tool to call (a tool_choice of "none" or "auto" without tools changes nothing).
+_FORCED_CALL_NEEDS_TOOLS = {"anyOf": [_branch({"tool_choice": _NOT_FORCED}),
+                                      _branch({"tools": {"minItems": 1}}, "tools")]}
+
+
+# A body with 'messages' (whatever its value) is read as the chat form.
 _TOKENIZE = {"oneOf": [
-    {"type": "object", "required": ["prompt"], "properties": {
-        "model": {"type": "string"}, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
+    {"type": "object", "required": ["prompt"], "not": {"required": ["messages"]}, "properties": {
+        "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
     {"type": "object", "required": ["messages"], "properties": {
-        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-        "add_generation_prompt": {"type": "boolean"}, "tools": {"type": "array", "items": _TOOL},
-        "chat_template_kwargs": _TEMPLATE_KWARGS}}]}
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, "add_generation_prompt": {"type": "boolean"},
+        **_TOOL_FIELDS, "chat_template_kwargs": _TEMPLATE_KWARGS}, "allOf": [_FORCED_CALL_NEEDS_TOOLS]}]}
 _DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
-    "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0},
+               "description": "ids within the vocabulary, at most the context length of them"}}}
 _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}
-_ERROR_STATUSES = {"400": "invalid parameters or prompt too long", "401": "bad or missing API key",
-                   "404": "unknown model, or (with Last-Event-ID) stream_not_found", "413": "body too large",
-                   "429": "queue full, or the API key's concurrency or token-rate limit reached (see "
-                          "Retry-After)",
-                   "503": "Redis or every engine unavailable, or no engine took the request in time (see "
-                          "Retry-After)"}
+# Answers of every route that reads a body: aiohttp's limit, and the body deadline (service/connections.py).
+_BODY_ERRORS = {"408": "the body did not arrive within --body-timeout (the connection is closed)",
+                "413": "body larger than --max-body-bytes"}
+_GENERATION_ERRORS = {"400": "invalid parameters, or a prompt too long for the context",
+                      "404": "unknown model, or (with Last-Event-ID) stream_not_found",
+                      "429": "queue full, the tokenizer queue of this API key full, or the API key's concurrency "
+                             "or token-rate limit reached (see Retry-After)",
+                      "503": "Redis or every engine unavailable, or no engine took the request in time (see "
+                             "Retry-After)", **_BODY_ERRORS}
+_TOKENIZER_ERRORS = {"400": "invalid body, token ids outside the vocabulary, or more than the context holds",
+                     "404": "unknown model", "429": "the tokenizer queue of this API key is full (see Retry-After)",
+                     **_BODY_ERRORS}
 # A stream's SSE events carry ``id: <request id>:<k>``; sending the last one seen resumes the stream.
-_LAST_EVENT_ID = {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+REQUEST_ID_PATTERN = "(?:chatcmpl|cmpl)-[0-9a-f]{32}"  # the ids this server gives (a 400 or 404 for others)
+_LAST_EVENT_ID = {"name": "Last-Event-ID", "in": "header", "required": False,
+                  "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}:[0-9]{{1,9}}$"},
                   "description": "'<request id>:<k>' from a stream's 'id:' field: instead of a new run, the "
                                  "events of that stream after k (on any gateway, while the stream is retained)"}
+_DESCRIPTION = ("OpenAI-compatible API serving {model!r}. On any route: 405 with an Allow header for a method the "
+                "path does not take; 429 too_many_connections, and the connection closed, for a client address "
+                "past --max-connections-per-peer open connections.")
 
 
-def _generation_op(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}}
-              for code, text in _ERROR_STATUSES.items()}
+def _errors(statuses: dict[str, str]) -> dict[str, Any]:
+    """Responses in OpenAI's error shape, by status."""
+    return {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}}
+            for code, text in statuses.items()}
+
+
+def _generation_op(summary: str, properties: dict[str, Any], required: list[str],
+                   rules: list[dict[str, Any]]) -> dict[str, Any]:
     ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]'",
           "content": {"application/json": {}, "text/event-stream": {}}}
+    schema = {"type": "object", "required": required, "properties": properties, "allOf": rules}
     return {"post": {"summary": summary, "parameters": [_LAST_EVENT_ID], "requestBody": {
-        "required": True, "content": {"application/json": {
-            "schema": {"type": "object", "required": required, "properties": properties}}}},
-        "responses": {"200": ok, **errors}}}
+        "required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": ok, **_errors(_GENERATION_ERRORS)}}}
 
 
 def _resume_op() -> dict[str, Any]:
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}} for code, text in (
-        ("400", "malformed Last-Event-ID"), ("401", "bad or missing API key"),
-        ("404", "stream_not_found: unknown, another API key's, or past the retention window"),
-        ("503", "Redis unavailable (see Retry-After)"))}
-    request_id = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    errors = _errors({"400": "malformed Last-Event-ID",
+                      "404": "stream_not_found: unknown, another API key's, or past the retention window",
+                      "503": "Redis unavailable (see Retry-After)"})
+    request_id = {"name": "request_id", "in": "path", "required": True,
+                  "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$"}}
     return {"get": {"summary": "Resume a stream: its SSE events after Last-Event-ID (all without it), then live",
                     "parameters": [request_id, _LAST_EVENT_ID],
                     "responses": {"200": {"description": "text/event-stream", "content": {"text/event-stream": {}}},
@@ -147,30 +264,34 @@ def _resume_op() -> dict[str, Any]:
 
 
 def _post_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}}
-              for code, text in (("400", "invalid body, or token ids outside the vocabulary"),
-                                 ("401", "bad or missing API key"), ("404", "unknown model"))}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
-            "application/json": {}}}, **errors}}}
+            "application/json": {}}}, **_errors(_TOKENIZER_ERRORS)}}}
 
 
-def _get_op(summary: str, content_type: str = "application/json") -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}}
+def _get_op(summary: str, content_type: str = "application/json",
+            errors: dict[str, str] | None = None) -> dict[str, Any]:
+    ok = {"200": {"description": "OK", "content": {content_type: {}}}}
+    return {"get": {"summary": summary, "responses": ok | _errors(errors or {})}}
 
 
 def _kv_snapshot_op() -> dict[str, Any]:
     engine = {"name": "engine", "in": "query", "required": False, "schema": {"type": "string"},
               "description": "a live engine's id (default: the first); the answer lists them"}
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ERROR}}} for code, text in (
-        ("401", "bad or missing API key"), ("404", "engine_not_found: no such live engine"),
-        ("503", "no live engine, or Redis unavailable (see Retry-After)"))}
+    errors = _errors({"404": "engine_not_found: no such live engine",
+                      "503": "no live engine, or Redis unavailable (see Retry-After)"})
     ok = {"description": "{object, engines, engine, snapshot}: snapshot is the engine's KV pools block by block "
                          "(arrays as base64 of little-endian bytes), its requests and EngineStats of the same "
                          "step, or null until the engine publishes one (asking makes it publish for a few seconds)",
           "content": {"application/json": {}}}
     return {"get": {"summary": "An engine's KV pool, block by block (the dashboard's)", "parameters": [engine],
                     "responses": {"200": ok, **errors}}}
+
+
+def _dashboard_ops() -> dict[str, Any]:
+    return {path: _get_op(f"The live KV pool dashboard's {name} (no data: the page asks for an API key and sends "
+                          "it with each snapshot fetch)", content_type)
+            for path, (name, content_type) in dashboard.PAGES.items()}
 
 
 def _with_server_caps(properties: dict[str, Any], model_name: str, config: GatewayConfig) -> dict[str, Any]:
@@ -190,29 +311,48 @@ def _with_server_caps(properties: dict[str, Any], model_name: str, config: Gatew
     return capped
 
 
+def _for_model(schema: dict[str, Any], model_name: str) -> dict[str, Any]:
+    """A request body whose optional 'model' must name the served model (another is a 404)."""
+    return schema | {"properties": {**schema.get("properties", {}), "model": {"enum": [model_name]}}}
+
+
+def _with_auth(path: str, operation: dict[str, Any], config: GatewayConfig) -> dict[str, Any]:
+    """The operation with its security as the gateway's auth applies it: none on PUBLIC_PATHS or on a
+    server without keys, else a bearer key (401 without a valid one; /metrics, once admin keys are set,
+    403 for a tenant's key)."""
+    if path in PUBLIC_PATHS or not config.all_keys:
+        return operation | {"security": []}
+    refusals = {"401": "invalid_api_key: bad or missing API key"}
+    if path == "/metrics" and config.admin_keys:
+        refusals["403"] = "admin_key_required: the totals over every tenant need an admin key"
+    return operation | {"security": [{"bearer": []}], "responses": {**operation["responses"], **_errors(refusals)}}
+
+
 def openapi_document(model_name: str, config: GatewayConfig | None = None) -> dict[str, Any]:
     config = config or GatewayConfig()
     chat, completion = (_with_server_caps(p, model_name, config) for p in (_CHAT, _COMPLETION))
+    paths = {
+        "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"],
+                                               _generation_rules(config, chat=True)),
+        "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"],
+                                          _generation_rules(config, chat=False)),
+        "/v1/streams/{request_id}": _resume_op(),
+        "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
+                              _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
+        "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),
+        "/v1/models": _get_op("The served model"),
+        "/health": _get_op("Process alive"),
+        "/ready": _get_op("Redis reachable and an engine heartbeat fresh",
+                          errors={"503": "{status: unavailable, reason}: not ready, and why"}),
+        "/metrics": _get_op("Prometheus metrics", "text/plain"),
+        "/openapi.json": _get_op("This document"),
+        "/v1/kv_snapshot": _kv_snapshot_op(),
+        **_dashboard_ops(),
+    }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "pagedserve", "version": "0.1.0",
-                 "description": f"OpenAI-compatible API serving {model_name!r}"},
+        "info": {"title": "pagedserve", "version": "0.1.0", "description": _DESCRIPTION.format(model=model_name)},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}],
-        "paths": {
-            "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"]),
-            "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"]),
-            "/v1/streams/{request_id}": _resume_op(),
-            "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template", _TOKENIZE,
-                                  "{tokens, count, max_model_len}"),
-            "/detokenize": _post_op("The text of token ids", _DETOKENIZE, "{prompt}"),
-            "/v1/models": _get_op("The served model"),
-            "/health": _get_op("Process alive (no API key needed)"),
-            "/ready": _get_op("Redis reachable and an engine heartbeat fresh (503 otherwise)"),
-            "/metrics": _get_op("Prometheus metrics", "text/plain"),
-            "/openapi.json": _get_op("This document"),
-            "/v1/kv_snapshot": _kv_snapshot_op(),
-            "/dashboard": _get_op("The live KV pool dashboard, a page (no API key needed: it asks for one and "
-                                  "sends it with each snapshot fetch)", "text/html"),
-        },
+        "paths": {path: {method: _with_auth(path, operation, config) for method, operation in item.items()}
+                  for path, item in paths.items()},
     }

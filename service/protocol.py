@@ -109,8 +109,8 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
     body = _require_object(body)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+    tokens = _token_ids(body.get("tokens"))
+    if tokens is None:
         raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
     return _get(body, "model", str, None), tokens
 
@@ -125,7 +125,26 @@ def parse_json(raw: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if body is None or _nested_deeper(body, MAX_JSON_DEPTH):
         raise APIError(400, f"the request body is not a JSON object nested at most {MAX_JSON_DEPTH} levels deep")
+    if (b"\\u" in raw or b"\xed" in raw) and not _encodable(body):  # only an escape or raw bytes make one
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                            "escape): text must be valid Unicode", code="invalid_unicode")
     return body
+
+
+def _encodable(value: Any) -> bool:
+    """Whether every string in ``value`` (keys too) encodes as UTF-8: no lone surrogates, which every later
+    hop (msgpack, the tokenizer, the response) would fail on."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    return True
 
 
 def _reject_constant(name: str) -> None:
@@ -242,8 +261,8 @@ def _parse_cache_salt(body: dict[str, Any]) -> str | None:
 
 def _sampling_params(body: dict[str, Any], n: int, max_tokens: int | None, logprobs: int | None,
                      extras: dict[str, Any]) -> SamplingParams:
-    stop_ids = _get(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    stop_ids = _token_ids(_get(body, "stop_token_ids", list, []))
+    if stop_ids is None:
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
     fields_read = {name: _read(body, f) for name, f in _PARAMS.items() if name not in _BY_HAND}
     if fields_read["use_beam_search"] and "temperature" not in body:
@@ -341,16 +360,29 @@ def _parse_prompts(prompt: Any, config: GatewayConfig) -> list[str | list[int]]:
     if len(batch) > config.max_prompts:
         raise APIError(400, f"'prompt' lists {len(batch)} prompts, this server takes at most {config.max_prompts} "
                             "per request", param="prompt")
-    if not all(_is_prompt(p) for p in batch):
+    prompts = [_prompt(p) for p in batch]
+    if not all(prompts):
         raise APIError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
                             "those", param="prompt")
-    return batch
+    return prompts
 
 
-def _is_prompt(prompt: Any) -> bool:
-    if isinstance(prompt, str):
-        return bool(prompt)
-    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+def _prompt(prompt: Any) -> str | list[int] | None:
+    """A non-empty text or a non-empty list of token ids; None (or empty) for anything else."""
+    return prompt if isinstance(prompt, str) else _token_ids(prompt)
+
+
+def _integer(value: Any) -> int | None:
+    """An integer as JSON Schema reads one: 2, or 2.0 (never a boolean); None for anything else."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    """A list of integers (2.0 read as 2); None for anything else."""
+    ids = [_integer(t) for t in value] if isinstance(value, list) else None
+    return None if ids is None or None in ids else ids
 
 
 def _parse_structured_output(body: dict[str, Any],
@@ -476,6 +508,8 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
             return float(value)
         except OverflowError:
             raise APIError(400, f"'{name}' is out of range", param=name) from None
+    if kind is int and (whole := _integer(value)) is not None:
+        return whole  # 2.0 too: a schema's integer is a number with no fraction, however it is written
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise APIError(400, f"'{name}' must be of type {kind.__name__}", param=name)
     return value

@@ -15,6 +15,7 @@ that lacked the last writes starts the same recovery: the beat finds another ser
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -250,18 +251,19 @@ class RedisGatewayBroker(ReplyRouter):
         return _adopted_anywhere(request_id, beats)
 
     # ---- resume -----------------------------------------------------------
-    async def resume(self, request_id: str) -> Resumed | None:
+    async def resume(self, request_id: str, tenant: str) -> Resumed | None:
         """The request's StreamRecord and a queue that gets every counted event from index 0 (the
-        transcript's, then live ones); None when the record is missing (unknown or expired)."""
+        transcript's, then live ones); None when the record is missing (unknown or expired) or is another
+        tenant's, found before anything here changes."""
         try:
             # One slot in a Cluster: both keys carry the request id as their hash tag.
             raw, owner = await self._client.mget([self._keys.request(request_id), self._keys.owner(request_id)])
         except BROKER_ERRORS as exc:
             raise BrokerUnavailable(f"cannot reach Redis: {type(exc).__name__}") from exc
         record = decode_or_none(StreamRecord, raw)  # another release's record: resumable by that release only
-        if record is None:
+        if record is None or not hmac.compare_digest(record.tenant.encode(), tenant.encode()):
             return None
-        self.release(request_id)  # a client resuming twice on this gateway: the newer wins
+        self.hand_over(request_id)  # a client resuming twice on this gateway: the newer wins
         queue = self._open(request_id, _owner(owner), held=True)
         try:
             await self._follow(request_id, record.gateway_id)

@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from service.broker_api import HANDED_OVER_STATUS
 from service.config import GatewayConfig
 from service.messages import (CONTROL_INDEX, EventKind, Heartbeat, ReplyBatch, ReplyEvent, SchemaError, decode,
                               decode_batch)
@@ -52,6 +53,19 @@ class ReplyRouter:
 
     def release(self, request_id: str) -> None:
         self._subs.pop(request_id, None)
+
+    def subscribed(self, request_id: str, queue: asyncio.Queue[ReplyEvent]) -> bool:
+        sub = self._subs.get(request_id)
+        return sub is not None and sub.queue is queue
+
+    def hand_over(self, request_id: str) -> None:
+        """A newer connection resumes the request here: the older stream gets an error event and ends (its
+        reader must not abort the request, which the newer one now reads)."""
+        sub = self._subs.get(request_id)
+        if sub is not None:
+            sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, "", finished=True, status=HANDED_OVER_STATUS,
+                                            error="another connection resumed this stream"))
+        self.release(request_id)
 
     def on_accepted(self, request_id: str, engine_id: str) -> None:
         """An engine took the request (a transport that routes by what engines hold learns from it)."""

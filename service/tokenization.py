@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 # drop a leading space at the start of a decode (SentencePiece) stay correct.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# Without a template to measure, what ChatML adds per message ("<|im_start|>user\n" ... "<|im_end|>\n").
+_FALLBACK_CHARS_PER_MESSAGE = 24
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
@@ -28,6 +30,18 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
                                          **(chat_template_kwargs or {}))
     # The template writes BOS itself where the model wants one.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_chars_per_message(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The characters the chat template adds around one message (roles, markers), measured on empty
+    messages; _FALLBACK_CHARS_PER_MESSAGE when the template cannot render them (or there is none)."""
+    one = [{"role": "user", "content": ""}]
+    three = one + [{"role": "assistant", "content": ""}] + one
+    try:
+        lengths = [len(tokenizer.apply_chat_template(m, tokenize=False)) for m in (one, three)]
+    except Exception:  # templates raise what they like (jinja errors, ValueError on a missing template)
+        return _FALLBACK_CHARS_PER_MESSAGE
+    return max(1, (lengths[1] - lengths[0]) // 2)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

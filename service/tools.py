@@ -12,7 +12,7 @@ from engine.structured_output import StructuredOutputParams
 from service.errors import APIError
 
 MAX_TOOLS = 128  # OpenAI's cap
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function names
 _CHOICES = ("none", "auto", "required")
 _ANY_OBJECT = {"type": "object", "properties": {}}
 _KIND_NAMES = {dict: "JSON schema object", str: "string", bool: "boolean"}
@@ -62,14 +62,15 @@ class ToolRequest:
 
 
 def parse_tool_request(body: dict[str, Any]) -> ToolRequest | None:
-    """The body's tools, tool_choice and parallel_tool_calls; None when it has neither tools nor tool_choice."""
+    """The body's tools, tool_choice and parallel_tool_calls; None without tools (a tool_choice of "none" or
+    "auto" then has nothing to choose from: it changes nothing; one that forces a call is a 400)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if tools is None or tools == []:
-        if choice is not None:
-            raise _bad("tool_choice needs tools", param="tool_choice")
+        if _parse_choice(choice, set())[0] == "required":  # a named function is not among no tools either
+            raise _bad("tool_choice 'required' needs tools", param="tool_choice")
         return None
     functions = _parse_tools(tools)
     kind, name = _parse_choice(choice, {f["name"] for f in functions})
@@ -94,7 +95,7 @@ def _parse_tool(i: int, tool: Any) -> dict[str, Any]:
         raise _bad(f"{param} must be {{'type': 'function', 'function': {{...}}}}", param=param)
     fn = tool["function"]
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise _bad(f"{param}.function.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -",
                        param=param)
     for key, kind in (("parameters", dict), ("description", str), ("strict", bool)):

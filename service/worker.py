@@ -98,6 +98,7 @@ class _Run:
     reasons: list[str | None]
     num_cached_tokens: int = 0
     checkpointed: int = 0  # next_index at the last checkpoint that landed
+    tenant: str = ""  # RequestMsg.tenant: shown with its blocks in the KV snapshot
 
     def progress(self, time_ms: int) -> Progress:
         # No logprobs: a resuming engine needs the tokens only, a gateway replay reads every event.
@@ -401,11 +402,11 @@ class Worker:
             log.warning("broker call failed: %s", exc)
 
     def _new_run(self, item: Pulled) -> _Run:
-        n = item.msg.params.get("n", 1)
+        n, tenant = item.msg.params.get("n", 1), item.msg.tenant
         if item.resume is None:
-            return _Run(item.handle, 0, [[] for _ in range(n)], [None] * n)
+            return _Run(item.handle, 0, [[] for _ in range(n)], [None] * n, tenant=tenant)
         tokens, reasons = item.resume.choices(n)
-        return _Run(item.handle, item.resume.next_index, tokens, reasons)
+        return _Run(item.handle, item.resume.next_index, tokens, reasons, tenant=tenant)
 
     def _add(self, item: Pulled, run: _Run) -> EventRow | None:
         msg = item.msg
@@ -435,7 +436,7 @@ class Worker:
             del self._recent_aborts[next(iter(self._recent_aborts))]
 
     def _abort_owned(self, aborts: list[str]) -> Published:
-        owned = [rid for rid in aborts if rid in self._owned]
+        owned = [rid for rid in dict.fromkeys(aborts) if rid in self._owned]  # a gateway may abort twice
         return self._end(owned, EventKind.OUTPUT)
 
     def _abort_orphans(self, gateways: dict[str, GatewayBeat]) -> Published:
@@ -530,7 +531,8 @@ class Worker:
         if now < self._kv_snapshot_at or (self._kv_publishing is not None and not self._kv_publishing.done()):
             return
         try:
-            payload, interval = take_kv_snapshot(self.engine, self.config.engine_id, self.model_name)
+            tenants = {request_id: run.tenant for request_id, run in self._owned.items()}
+            payload, interval = take_kv_snapshot(self.engine, self.config.engine_id, self.model_name, tenants)
         except Exception:  # the dashboard's picture must never cost the engine its requests
             log.exception("taking the KV snapshot failed")
             payload, interval = None, KV_SNAPSHOT_INTERVAL_S
@@ -600,12 +602,12 @@ class Worker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def take_kv_snapshot(engine: Engine, engine_id: str, model: str) -> tuple[bytes, float]:
+def take_kv_snapshot(engine: Engine, engine_id: str, model: str, tenants: dict[str, str]) -> tuple[bytes, float]:
     """The engine's KV snapshot encoded, and the seconds until the next may be taken: KV_SNAPSHOT_INTERVAL_S,
     or longer when this one's CPU time was over KV_SNAPSHOT_SHARE of that (a pause of this thread while
     another process ran is no cost of it)."""
     started = time.thread_time()
-    payload = encode(kv_snapshot_msg(engine_id, model, engine.kv_snapshot()))
+    payload = encode(kv_snapshot_msg(engine_id, model, engine.kv_snapshot(), tenants))
     return payload, max(KV_SNAPSHOT_INTERVAL_S, (time.thread_time() - started) / KV_SNAPSHOT_SHARE)
 
 

@@ -285,11 +285,16 @@
       const shared = r.blocks.reduce((n, b) => n + (pool.ref[b] > 1), 0);
       const swatch = document.createElement("i");
       swatch.style.background = r.colour.solid;
-      row.append(cell(swatch), cell(r.id), cell(r.state), cell(r.num_seqs), cell(r.blocks.length), cell(shared));
-      row.title = r.id;
+      row.append(cell(swatch), cell(nameOf(r)), cell(r.state), cell(r.num_seqs), cell(r.blocks.length), cell(shared));
+      row.title = nameOf(r);
       return row;
     });
     $("requests").tBodies[0].replaceChildren(...rows);
+  }
+
+  // The gateway sends another tenant's request without its id: its blocks show, whose they are does not.
+  function nameOf(request) {
+    return request.id || "(another tenant)";
   }
 
   function cell(content) {
@@ -332,7 +337,7 @@
     const owner = pool.owner[i] === NO_OWNER ? null : s.requests[pool.owner[i]];
     tooltip.textContent = [`${poolName} block ${i}: ${STATE_NAMES[pool.state[i]]}, ref count ${pool.ref[i]}`,
       `${pool.filled[i]}/${s.block_size} slots claimed, ${pool.computed[i]} written`,
-      owner ? `first holder: ${owner.id} (${owner.state})` : ""].filter(Boolean).join("\n");
+      owner ? `first holder: ${nameOf(owner)} (${owner.state})` : ""].filter(Boolean).join("\n");
     tooltip.style.left = `${event.target.offsetLeft + event.offsetX + 12}px`;
     tooltip.style.top = `${event.target.offsetTop + event.offsetY + 12}px`;
     tooltip.hidden = false;

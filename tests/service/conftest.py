@@ -34,6 +34,9 @@ API_KEY = "test-key-123"
 START_TIMEOUT_S = 120
 ENGINE = EngineConfig(num_device_blocks=96, max_num_seqs=8, num_threads=1, attention_backend="torch")
 HEARTBEAT_FLAGS = ["--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
+# A client that hangs up mid-stream has its request aborted 1 s later, not 10: no test resumes a stream on these
+# stacks, and the disconnect tests wait for the abort.
+RECONNECT_FLAGS = ["--reconnect-grace", "1"]
 
 
 def get_json(url: str, api_key: str | None = API_KEY) -> tuple[int, dict]:
@@ -67,7 +70,7 @@ def local_stack(model: str, num_workers: int, num_gateways: int, engine: EngineC
         stack.add_worker([*common, *config_argv(engine), *HEARTBEAT_FLAGS, "--engine-id", f"w{i}", *worker_flags],
                          redis_url=redis_url)
     for _ in range(num_gateways):
-        stack.add_gateway([*common, *gateway_flags], redis_url=redis_url)
+        stack.add_gateway([*common, *RECONNECT_FLAGS, *gateway_flags], redis_url=redis_url)
     return stack
 
 
@@ -130,12 +133,27 @@ async def running(worker: Worker) -> AsyncIterator[asyncio.Task]:
         await asyncio.wait_for(task, 5)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until ``condition()`` holds; the timeout only ends a test that would hang (a slow machine is no failure)."""
     async def poll() -> None:
         while not condition():
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), timeout_s)
+
+
+def count_calls(obj: object, name: str) -> list[int]:
+    """Counts the calls of ``obj``'s async method ``name`` from now on (the list's one item): a test waits for
+    some more (a worker's polls, a gateway's beats), not for a time in which they may or may not happen."""
+    calls, method = [0], getattr(obj, name)
+
+    async def counted(*args, **kwargs):
+        result = await method(*args, **kwargs)
+        calls[0] += 1
+        return result
+
+    setattr(obj, name, counted)
+    return calls
 
 
 @pytest.fixture(scope="module")

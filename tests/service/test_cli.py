@@ -25,8 +25,13 @@ def test_env_twins_and_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = worker_config(args).engine
     assert (engine.max_num_seqs, engine.block_size, engine.kv_cache_memory_bytes) == (7, 32, 1_000_000)
     assert engine.preemption_mode == "swap" and engine.enable_prefix_caching is False
-    args = build_parser().parse_args(["gateway", "--api-key", "k3"])
-    assert gateway_config(args).api_keys == ("k1", "k2", "k3")
+    assert gateway_config(build_parser().parse_args(["gateway"])).api_keys == ("k1", "k2")
+
+
+def test_a_repeatable_flag_replaces_its_environment_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "k1,k2")
+    args = build_parser().parse_args(["gateway", "--api-key", "k3", "--api-key", "k4"])
+    assert gateway_config(args).api_keys == ("k3", "k4")  # the flag wins: the environment's keys are refused
 
 
 def test_config_argv_rebuilds_the_config() -> None:

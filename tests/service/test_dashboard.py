@@ -7,18 +7,21 @@ import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient
 
 from engine.core.kv_snapshot import CACHED, USED, KVSnapshot, PoolSnapshot, SnapshotRequest
+from engine.stats import EngineStats
+from service import worker as worker_module
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.messages import SchemaError, decode_kv_snapshot, encode, kv_snapshot_msg
 from service.worker import KV_SNAPSHOT_INTERVAL_S, KV_SNAPSHOT_SHARE
-from tests.service.conftest import (API_KEY, MODEL_NAME, engine_stats, gateway_client, get_json, memory_worker,
-                                    running, until)
+from tests.service.conftest import (API_KEY, MODEL_NAME, count_calls, engine_stats, gateway_client, get_json,
+                                    memory_worker, running, until)
 from tests.service.fake_engine import FakeEngine
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -43,14 +46,17 @@ async def ready(client: TestClient) -> None:
 
 
 async def snapshot_when(client: TestClient, condition, engine: str = "") -> dict:
-    """Polls the route as the page does until the snapshot meets ``condition``."""
-    while True:
-        response = await client.get("/v1/kv_snapshot", params={"engine": engine} if engine else {}, headers=AUTH)
-        if response.status == 200:
-            body = await response.json()
-            if body["snapshot"] is not None and condition(body["snapshot"]):
-                return body
-        await asyncio.sleep(0.05)
+    """Polls the route as the page does until the snapshot meets ``condition`` (failing after 10 s, not hanging)."""
+    async def poll() -> dict:
+        while True:
+            response = await client.get("/v1/kv_snapshot", params={"engine": engine} if engine else {}, headers=AUTH)
+            if response.status == 200:
+                body = await response.json()
+                if body["snapshot"] is not None and condition(body["snapshot"]):
+                    return body
+            await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(poll(), 10)
 
 
 async def test_the_page_is_public_and_self_contained(client_and_bus) -> None:
@@ -79,13 +85,27 @@ async def test_snapshot_route_needs_the_key_and_a_live_engine(client_and_bus) ->
         assert first["engines"] == ["w0"] and first["engine"] == "w0"
 
 
+def count_iterations(engine: FakeEngine) -> list[int]:
+    """Counts the worker's idle iterations (the list's one item): each reads the engine's stats, then takes a
+    KV snapshot if one is wanted and due, with no await in between."""
+    iterations, stats = [0], engine.stats
+
+    def counted() -> EngineStats:
+        iterations[0] += 1
+        return stats()
+
+    engine.stats = counted
+    return iterations
+
+
 async def test_snapshots_only_while_asked(client_and_bus) -> None:
     client, bus = client_and_bus
     engine = FakeEngine()
-    async with running(memory_worker(bus, engine)):
-        await until(lambda: bus.beats)
-        await asyncio.sleep(0.3)  # several beats (0.05 s) and idle iterations: nobody asked
-        assert engine.num_snapshots == 0 and not bus.kv_snapshots
+    iterations, worker = count_iterations(engine), memory_worker(bus, engine)
+    beats = count_calls(worker.broker, "heartbeat")
+    async with running(worker):
+        await until(lambda: beats[0] >= 3 and iterations[0] >= 10)  # several beats and idle iterations
+        assert engine.num_snapshots == 0 and not bus.kv_snapshots  # nobody asked
         body = await snapshot_when(client, lambda s: True)
     assert engine.num_snapshots >= 1 and body["snapshot"]["engine_id"] == "w0"
 
@@ -109,19 +129,28 @@ async def test_snapshot_json_shows_the_engine_blocks(client_and_bus) -> None:
     assert {r["state"] for r in snap["requests"]} == {"running"} and snap["stats"]["num_requests_running"] == 3
 
 
-async def test_a_costly_snapshot_is_taken_less_often(client_and_bus) -> None:
-    """Taking one costs 20 ms of CPU here: at most KV_SNAPSHOT_SHARE of the time goes to them, one every 4 s, not
-    one every KV_SNAPSHOT_INTERVAL_S."""
+async def test_a_costly_snapshot_is_taken_less_often(client_and_bus, monkeypatch) -> None:
+    """Taking one costs 20 ms of CPU here: at most KV_SNAPSHOT_SHARE of the time goes to them, one every 4 s or
+    more, not one every KV_SNAPSHOT_INTERVAL_S. On the worker's clock, moved here a step at a time."""
     client, bus = client_and_bus
+    now = [1000.0]
+    monkeypatch.setattr(worker_module, "time", SimpleNamespace(monotonic=lambda: now[0], time=time.time,
+                                                               thread_time=time.thread_time))
     engine = FakeEngine(snapshot_s=0.02)
+    iterations = count_iterations(engine)
     assert 0.02 / KV_SNAPSHOT_SHARE > 3 * KV_SNAPSHOT_INTERVAL_S
     async with running(memory_worker(bus, engine)):
         await until(lambda: bus.beats)
         await snapshot_when(client, lambda s: True)
-        for _ in range(30):  # 1.5 s of a dashboard polling
+        for _ in range(6):  # 3 s of a dashboard polling, a snapshot due every KV_SNAPSHOT_INTERVAL_S
+            now[0] += KV_SNAPSHOT_INTERVAL_S
             await client.get("/v1/kv_snapshot", headers=AUTH)
-            await asyncio.sleep(0.05)
-    assert engine.num_snapshots == 1
+            seen = iterations[0]
+            await until(lambda: iterations[0] > seen)  # an iteration with the clock moved: a chance to take one
+        assert engine.num_snapshots == 1
+        now[0] += 60.0
+        await client.get("/v1/kv_snapshot", headers=AUTH)
+        await until(lambda: engine.num_snapshots == 2)  # due again, and taken
 
 
 async def test_a_failing_snapshot_costs_no_request(client_and_bus) -> None:
@@ -152,12 +181,13 @@ def test_wire_format_round_trip_and_checks() -> None:
     snap = KVSnapshot(time.time(), 16, pool, PoolSnapshot.empty(2), [SnapshotRequest("a", "running", 2, [0, 1]),
                                                                      SnapshotRequest("b", "running", 1, [0, 4])],
                       engine_stats(num_blocks_used=3))
-    msg = decode_kv_snapshot(encode(kv_snapshot_msg("w0", "m", snap)))
+    msg = decode_kv_snapshot(encode(kv_snapshot_msg("w0", "m", snap, {"b": "tenant-b"})))
     assert np.frombuffer(msg.device["owner"], "<u2").tolist() == [0, 0, 0xFFFF, 0xFFFF, 1]
     assert np.frombuffer(msg.device["filled"], "<u2").tolist() == [16, 3, 16, 0, 7]
     assert msg.requests[1][:3] == ["b", "running", 1] and np.frombuffer(msg.requests[1][3], "<u4").tolist() == [0, 4]
+    assert [r[4] for r in msg.requests] == ["", "tenant-b"]
     assert msg.stats == snap.stats and len(msg.cpu["state"]) == 2
-    broken = kv_snapshot_msg("w0", "m", snap)
+    broken = kv_snapshot_msg("w0", "m", snap, {})
     broken.device["owner"] = broken.device["owner"][:-2]  # one entry short
     with pytest.raises(SchemaError, match="one entry per block"):
         decode_kv_snapshot(encode(broken))

@@ -117,16 +117,21 @@ def show_engine(page, engine: str) -> None:
     page.wait_for_function(f"window.kvDashboard.snapshot.engine_id === '{engine}'")
 
 
-def show_busier_engine(page) -> str:
-    """Show the engine running more requests (the one the shared prefix was routed to, not the one stealing
-    a request or two from it); returns the other one."""
-    running = {}
-    for engine in ("w0", "w1"):
+def next_snapshot(page) -> None:
+    """Until the page has drawn a snapshot newer than the one it shows now."""
+    page.evaluate("() => { window.seenSnapshot = window.kvDashboard.snapshot; }")
+    page.wait_for_function("window.kvDashboard.snapshot !== window.seenSnapshot")
+
+
+def show_an_engine_running(page, count: int) -> str:
+    """Shows an engine running ``count`` requests or more: each in turn, a fresh snapshot of each, until one does
+    (the shared prefix is routed to one engine; the other steals what waits there too long). Returns the other."""
+    for engine in ["w0", "w1"] * 60:
         show_engine(page, engine)
-        running[engine] = int(page.evaluate(RUNNING))
-    busier = max(running, key=running.get)
-    show_engine(page, busier)
-    return "w0" if busier == "w1" else "w1"
+        next_snapshot(page)  # the new engine's snapshot may be one drawn before the switch's fetch
+        if page.evaluate(RUNNING) >= count:
+            return "w0" if engine == "w1" else "w1"
+    raise AssertionError(f"no engine ran {count} requests at once in 120 snapshots")
 
 
 def test_dashboard_in_a_browser(stack, page) -> None:
@@ -147,10 +152,10 @@ def test_dashboard_in_a_browser(stack, page) -> None:
         page.wait_for_function(f"""() => {RUNNING} > 0
             && Number(document.getElementById('device-grid').dataset.used) > 0
             && document.querySelectorAll('#requests tbody tr[data-state="running"]').length > 0""")
-        other = show_busier_engine(page)
+        other = show_an_engine_running(page, 2)  # a request to hover beside another one's blocks
         points = int(page.get_attribute("#chart", "data-points"))  # the chart restarts with each engine shown
         reading = None
-        for _ in range(40):  # a request may end between the hover and the reading, or run alone: try again
+        for _ in range(40):  # a request may end between the hover and the reading, or run alone: next snapshot
             rows = page.locator('#requests tbody tr[data-state="running"]')  # re-found: the list is redrawn
             if rows.count():
                 try:
@@ -160,7 +165,7 @@ def test_dashboard_in_a_browser(stack, page) -> None:
                 reading = page.evaluate(HIGHLIGHT_JS)
             if reading and reading["others"]:
                 break
-            page.wait_for_timeout(200)
+            next_snapshot(page)
         assert reading and reading["others"], "no running request stayed long enough beside another to hover it"
         assert reading["highlighted"] == ",".join(map(str, reading["blocks"])) and reading["blocks"]
         assert reading["row"] == "hover"

@@ -106,7 +106,7 @@ async def fake_heartbeat(redis: RedisConfig) -> RedisWorkerBroker:
 async def test_queue_bound_is_429_and_disconnect_aborts(redis_url: str, prefix: str, demo_tokenizer) -> None:
     redis = RedisConfig(url=redis_url, prefix=prefix, block_ms=200)
     engine_side = await fake_heartbeat(redis)  # alive but never pulls: requests stay queued
-    gateway = make_gateway(redis, demo_tokenizer, max_pending_requests=1)
+    gateway = make_gateway(redis, demo_tokenizer, max_pending_requests=1, reconnect_grace_s=0)  # abort at once
     async with TestClient(TestServer(gateway.app())) as client:
         first = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a", "stream": True})
         assert first.status == 200

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient
 from service import gateway as gateway_module
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
+from service.tokenization import template_chars_per_message
 from tests.service.conftest import MODEL_NAME, gateway_client, memory_worker, running
 
 CONTEXT, CHARS_PER_TOKEN = 64, 4
@@ -37,12 +38,13 @@ def tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-async def test_a_prompt_too_long_for_any_tokenizer_is_refused_untokenized(client_and_bus, tokenized,
+async def test_a_prompt_too_long_for_any_tokenizer_is_refused_untokenized(client_and_bus, tokenized, tokenizer,
                                                                           endpoint: str) -> None:
     client, _ = client_and_bus
     chat = endpoint.endswith("chat/completions")
+    template = 2 * template_chars_per_message(tokenizer) if chat else 0  # what the template adds to 2 messages
     errors = []
-    for size in (LIMIT + 1, LIMIT):  # the system message counts too
+    for size in (LIMIT - template + 1, LIMIT - template):  # the system message counts too
         text = "x" * size
         body = {"messages": [{"role": "system", "content": text[:10]}, {"role": "user", "content": text[10:]}]} \
             if chat else {"prompt": text}

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+from service import reply_router
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, Heartbeat, ReplyBatch, ReplyEvent, RequestMsg,
@@ -43,6 +45,15 @@ def drain(queue: asyncio.Queue[ReplyEvent]) -> list[ReplyEvent]:
 
 
 @pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The reply router's monotonic clock, moved by the test: a deadline passes when the test says so, however
+    long the machine takes over the steps in between (the watcher, polling, reads this clock too)."""
+    now = [1000.0]
+    monkeypatch.setattr(reply_router, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+@pytest.fixture
 async def broker() -> AsyncIterator[MemoryGatewayBroker]:
     bus = MemoryBus()
     bus.beats["e"] = (beat("e"), float("inf"))
@@ -58,21 +69,24 @@ async def submit(broker: MemoryGatewayBroker) -> asyncio.Queue[ReplyEvent]:
     return await broker.submit(RequestMsg("r1", [1], {}, broker.gateway_id, time.time(), MODEL_NAME))
 
 
-async def test_duplicates_are_dropped_and_a_gap_that_stays_ends_the_request(broker) -> None:
+async def test_duplicates_are_dropped_and_a_gap_that_stays_ends_the_request(broker, clock) -> None:
     queue = await submit(broker)
     send(broker, accepted("e"), output(0), output(0), output(1))
     send(broker, output(1), output(3))  # a retried publish, then index 2 is missing
     events = drain(queue)
     assert [(e.kind, e.index) for e in events] == [(EventKind.ACCEPTED, CONTROL_INDEX), (EventKind.OUTPUT, 0),
                                                    (EventKind.OUTPUT, 1)]
-    await asyncio.sleep(CONFIG.gap_wait_s / 2)
+    clock[0] += CONFIG.gap_wait_s / 2
+    broker._check_deadlines(clock[0])
     assert queue.empty() and broker.num_subscriptions == 1  # still waiting for index 2
-    error = await asyncio.wait_for(queue.get(), 2)
+    clock[0] += CONFIG.gap_wait_s
+    broker._check_deadlines(clock[0])
+    error = queue.get_nowait()
     assert error.kind is EventKind.ERROR and "lost reply events 2..2" in error.error
     assert broker.num_subscriptions == 0
 
 
-async def test_events_past_a_gap_wait_for_it_and_follow_in_order(broker) -> None:
+async def test_events_past_a_gap_wait_for_it_and_follow_in_order(broker, clock) -> None:
     """An engine re-sending what a restarted Redis lost unread: the gap fills, nothing repeats."""
     queue = await submit(broker)
     send(broker, accepted("e"), output(0), output(3), output(2, token=66))
@@ -81,28 +95,43 @@ async def test_events_past_a_gap_wait_for_it_and_follow_in_order(broker) -> None
     events = drain(queue)
     assert [(e.index, e.choices[0].token_ids) for e in events] == [(1, [65]), (2, [66]), (3, [65]), (4, [65])]
     assert events[-1].finished and broker.num_subscriptions == 0
-    await asyncio.sleep(CONFIG.gap_wait_s * 2)
+    clock[0] += CONFIG.gap_wait_s * 2
+    broker._check_deadlines(clock[0])
     assert queue.empty()  # no late error: the gap closed
 
 
-async def test_a_dead_owner_waits_for_a_resumer_then_fails_with_503(broker) -> None:
+async def test_a_dead_owner_waits_for_a_resumer_then_fails_with_503(broker, clock) -> None:
     queue = await submit(broker)
     send(broker, accepted("e"), output(0))
     broker.bus.beats["e2"] = (beat("e2"), float("inf"))
     del broker.bus.beats["e"]  # the owner dies; e2 resumes the request in time
-    await asyncio.sleep(0.1)
+    await lost_from_now(broker, clock)
+    clock[0] += CONFIG.resume_deadline_s / 2
     send(broker, accepted("e2"), output(1, engine="e2"), engine="e2")
-    await asyncio.sleep(CONFIG.resume_deadline_s * 2)
+    clock[0] += CONFIG.resume_deadline_s * 2
+    broker._check_deadlines(clock[0])
     assert [e.index for e in drain(queue) if e.kind is EventKind.OUTPUT] == [0, 1] and broker.num_subscriptions == 1
     del broker.bus.beats["e2"]  # now nobody resumes it
-    await until(lambda: broker.num_subscriptions == 0, 2)
+    await lost_from_now(broker, clock)
+    clock[0] += CONFIG.resume_deadline_s / 2
+    broker._check_deadlines(clock[0])
+    assert broker.num_subscriptions == 1  # within the resume deadline
+    clock[0] += CONFIG.resume_deadline_s
+    broker._check_deadlines(clock[0])
+    assert broker.num_subscriptions == 0
     last = drain(queue)[-1]
     assert last.kind is EventKind.ERROR and last.status == 503 and "no engine resumed" in last.error
 
 
+async def lost_from_now(broker: MemoryGatewayBroker, clock: list[float]) -> None:
+    """The engines read again, and the deadlines checked: a request whose owner is gone is lost from now."""
+    await broker._refresh_engines()
+    broker._check_deadlines(clock[0])
+
+
 async def test_a_request_no_engine_takes_fails_after_the_accept_deadline(broker) -> None:
     queue = await submit(broker)
-    await until(lambda: broker.num_subscriptions == 0, 2)
+    await until(lambda: broker.num_subscriptions == 0)
     error = drain(queue)[-1]
     assert error.status == 503 and "no engine took the request" in error.error
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import time
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +22,7 @@ from service.gateway import Gateway
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.messages import RequestMsg
 from service.protocol import MAX_CACHE_SALT_CHARS, MAX_JSON_DEPTH
-from tests.service.conftest import MODEL_NAME, memory_worker, running
+from tests.service.conftest import MODEL_NAME, memory_worker, running, until
 from tests.service.fake_engine import FakeEngine
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -162,20 +162,22 @@ async def test_error_after_the_stream_started_ends_it(served, monkeypatch) -> No
 
 
 async def test_tokenizing_never_blocks_the_event_loop(served, monkeypatch) -> None:
+    """Tokenizing holds until /health has answered: only a loop that tokenizes elsewhere can answer it."""
     client, gateway = served
     tokenize = gateway._tokenize
+    tokenizing, answered, released = threading.Event(), threading.Event(), []
 
-    def slow(req):
-        time.sleep(0.6)  # a 1 MB prompt's worth of tokenizing
+    def held(req):  # a 1 MB prompt's worth of tokenizing, ended by the test
+        tokenizing.set()
+        released.append(answered.wait(10))  # False: /health waited for the tokenizer (the loop is blocked)
         return tokenize(req)
 
-    monkeypatch.setattr(gateway, "_tokenize", slow)
-    start = time.perf_counter()
+    monkeypatch.setattr(gateway, "_tokenize", held)
     generation = asyncio.ensure_future(post(client, "/v1/completions", COMPLETION))
-    await asyncio.sleep(0.1)  # the request is being tokenized now
+    await until(tokenizing.is_set)
     assert (await client.get("/health")).status == 200
-    assert time.perf_counter() - start < 0.4 and not generation.done()  # /health did not wait 0.6 s
-    assert (await generation)[0] == 200
+    answered.set()
+    assert (await generation)[0] == 200 and released == [True]
 
 
 async def test_an_unencodable_message_leaves_nothing_pending() -> None:

@@ -4,10 +4,12 @@ redis-server), answering 429 with Retry-After, while another key is untouched; s
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from redis.asyncio import Redis
 
+from service import limits
 from service.config import GatewayConfig
 from service.limits import KeyPolicy, MemoryLimiter, RedisLimiter, parse_key_policies, parse_policy
 from service.memory_broker import MemoryBus
@@ -90,10 +92,13 @@ async def redis_client(redis_url: str):
 
 
 @pytest.mark.parametrize("kind", ["redis", "memory"])
-async def test_limiters_share_one_state(kind, redis_client, redis_config) -> None:
-    """Two limiters (two gateways) on one Redis decide as one; the in-process one decides the same."""
-    shared = MemoryLimiter(lease_s=0.3)
-    one, two = ((RedisLimiter(redis_client, redis_config.prefix, lease_s=0.3) for _ in range(2)) if kind == "redis"
+async def test_limiters_share_one_state(kind, redis_client, redis_config, monkeypatch) -> None:
+    """Two limiters (two gateways) on one Redis decide as one; the in-process one decides the same. On the
+    limiters' clock, which stands still but where the test moves it: no token refills, no lease ends, unasked."""
+    now = [1_700_000_000.0]
+    monkeypatch.setattr(limits, "time", SimpleNamespace(time=lambda: now[0]))
+    shared = MemoryLimiter(lease_s=600)  # the Redis keys' own expiry (real time) is as long: never reached here
+    one, two = ((RedisLimiter(redis_client, redis_config.prefix, lease_s=600) for _ in range(2)) if kind == "redis"
                 else (shared, shared))
     policy = KeyPolicy(max_concurrent=2, tokens_per_min=600)
     assert await one.acquire("t", "r1", 100, policy) == 0
@@ -102,7 +107,7 @@ async def test_limiters_share_one_state(kind, redis_client, redis_config) -> Non
     assert await two.acquire("other", "r3", 100, policy) == 0  # per tenant
     await two.release("t", "r1")
     wait = await one.acquire("t", "r3", 500, policy)  # a slot is free, but 400 tokens are left of 600
-    assert 9 <= wait <= 10.1  # 100 tokens at 10 a second
+    assert wait == 10.0  # 100 tokens at 10 a second
     assert await one.acquire("t", "r3", 300, policy) == 0
-    await asyncio.sleep(0.35)  # the leases of a gateway that died holding them run out
+    now[0] += 600  # the leases of a gateway that died holding them run out
     assert await two.acquire("t", "r4", 10, KeyPolicy(max_concurrent=1)) == 0

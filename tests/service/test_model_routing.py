@@ -14,7 +14,7 @@ from service.redis_worker import RedisWorkerBroker
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
 from service.messages import EventKind, RequestMsg, StreamRecord, params_to_wire
 from service.worker import Worker
-from tests.service.conftest import MODEL_NAME, memory_worker, running
+from tests.service.conftest import MODEL_NAME, count_calls, memory_worker, running, until
 from tests.service.fake_engine import FakeEngine
 
 OTHER = "other-model"
@@ -35,9 +35,12 @@ async def test_an_engine_never_takes_another_models_requests() -> None:
     gateway = MemoryGatewayBroker(bus, GatewayConfig(engine_poll_s=0.05))
     await gateway.start()
     try:
-        async with running(other_worker(bus, other_engine)):
+        worker = other_worker(bus, other_engine)
+        polls = count_calls(worker.broker, "poll")
+        async with running(worker):
             queue = await gateway.submit(request(MODEL_NAME, gateway.gateway_id))
-            await asyncio.sleep(0.3)  # the other model's worker polls meanwhile
+            seen = polls[0]
+            await until(lambda: polls[0] >= seen + 3)  # the other model's worker polls meanwhile
             assert other_engine.added == [] and len(bus.queued[MODEL_NAME]) == 1
             async with running(memory_worker(bus, own_engine)):
                 first = await asyncio.wait_for(queue.get(), 5)

@@ -78,8 +78,10 @@ async def fail_over(stack: LocalStack, sentinels: SentinelSet, outcomes: list[Ou
     # meanwhile reach neither (only the engine has them) when the primary dies.
     gateway = stack.gateways[0].process
     gateway.send_signal(signal.SIGSTOP)
+    held = sentinels.proxy.delayed_chunks
     sentinels.hold_replication()
-    await asyncio.sleep(0.3)
+    await asyncio.to_thread(until, lambda: sentinels.proxy.delayed_chunks >= held + 5,
+                            "the primary took no writes the replica lacks", 30)
     sentinels.kill_primary()
     gateway.send_signal(signal.SIGCONT)
     await asyncio.to_thread(until, sentinels.promoted, "the replica was not promoted", 30)

@@ -21,9 +21,9 @@ from service.redis_gateway import RedisGatewayBroker
 from service.redis_keys import RESUMES, Keys
 from service.redis_worker import RedisWorkerBroker
 from service.transcript import Transcript
-from tests.service.conftest import MODEL_NAME, engine_stats, running, until
+from tests.service.conftest import MODEL_NAME, count_calls, engine_stats, running, until
 from tests.service.fake_engine import FakeEngine
-from tests.service.test_worker_redis import GATEWAY, beat_gateway, make_worker, submit, tokens, until_async
+from tests.service.test_worker_redis import GATEWAY, beat_gateway, generated, make_worker, submit, tokens, until_async
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ async def test_a_worker_keeps_serving_and_reasserts_its_request_after_redis_lost
         consumer = f"w0/{worker.incarnation}".encode()
         await until_async(lambda: owned_and_checkpointed(client, keys, "r1", consumer))
         await submit(client, keys, "r1", max_tokens=150)  # what a gateway queues again: not run twice
-        await until(lambda: events.finished("r1"), 10)
+        await until(lambda: events.finished("r1"))
     kept = events.kept("r1")
     assert tokens(kept) == [66 + i for i in range(150)] and [e.index for e in kept] == list(range(150))
     assert engine.added == ["r1"]
@@ -119,13 +119,14 @@ async def test_a_worker_sends_again_what_redis_lost_before_a_gateway_read_it(red
     keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
     await beat_gateway(client, keys, GATEWAY)
     await submit(client, keys, "r1", max_tokens=150)
-    async with running(make_worker(redis_config, engine, step_lane=step_lane)):
-        await until_async(lambda: client.xlen(keys.out(GATEWAY)), 5)
-        await asyncio.sleep(0.2)  # some steps' replies, unread
+    # Every reply sent stays within the replay window (the worker's 5 s would depend on the machine's speed).
+    async with running(make_worker(redis_config, engine, step_lane=step_lane, replay_window_s=600)):
+        await until(lambda: generated(engine, "r1") >= 10)  # 10 tokens generated, 140 to go
+        await until_async(lambda: client.xlen(keys.out(GATEWAY)), 5)  # some steps' replies landed, unread
         await lose_state(client, redis_config.prefix)
         await beat_gateway(client, keys, GATEWAY)
         async with OutStream(client, keys.out(GATEWAY)) as events:  # the new stream only
-            await until(lambda: events.finished("r1"), 10)
+            await until(lambda: events.finished("r1"))
     kept = events.kept("r1")
     assert tokens(kept) == [66 + i for i in range(150)] and [e.index for e in kept] == list(range(150))
 
@@ -192,8 +193,8 @@ async def test_a_gateway_restores_its_records_and_requeues_what_no_engine_accept
         await lose_state(client, redis_config.prefix)
         await until_async(lambda: queued_requests(client, keys), 5)
         assert await client.exists(keys.request("r1"), keys.request("r2")) == 2
-        await asyncio.sleep(0.3)  # several beats later: queued again once only
-        assert await queued_requests(client, keys) == ["r2"]
+        await several_beats(gateway)
+        assert await queued_requests(client, keys) == ["r2"]  # queued again once only
         # The new Redis's clock is behind the old one's: its out-stream ids are below the reader's cursor.
         output = ReplyEvent(EventKind.OUTPUT, "w0", "inc", [ChoiceDelta(0, [66])], index=0)
         await client.xadd(keys.out(gateway.gateway_id), {"b": encode_batch(ReplyBatch("w0", "inc", [("r1", output)]))},
@@ -213,10 +214,16 @@ async def test_a_gateway_whose_beat_expired_alone_queues_nothing_again(redis_con
         await gateway.submit(msg, StreamRecord("r1", gateway.gateway_id, b"{}", [1], 0, 0, ""))
         await client.delete(keys.gateway(gateway.gateway_id))
         await until_async(lambda: client.exists(keys.gateway(gateway.gateway_id)), 5)
-        await asyncio.sleep(0.3)
+        await several_beats(gateway)
         assert await queued_requests(client, keys) == ["r1"]
     finally:
         await gateway.close()
+
+
+async def several_beats(gateway: RedisGatewayBroker) -> None:
+    """Until the gateway has beaten 3 more times (each beat may queue requests again)."""
+    beats = count_calls(gateway, "_beat")
+    await until(lambda: beats[0] >= 3)
 
 
 async def submit_two(gateway: RedisGatewayBroker) -> dict[str, asyncio.Queue[ReplyEvent]]:
@@ -310,7 +317,7 @@ async def test_a_resume_after_the_loss_cannot_replay_the_lost_replies(redis_conf
         await lose_state(client, redis_config.prefix)
         await until_async(lambda: client.exists(keys.request("r1")), 5)
         await publish(client, out, ReplyBatch("w0", "inc", [("r1", token(2))]))
-        resumed = await second.resume("r1")
+        resumed = await second.resume("r1", "")
         error = await asyncio.wait_for(last(resumed.queue, EventKind.ERROR), 5)
         assert error.error == "lost reply events 0..1"
     finally:

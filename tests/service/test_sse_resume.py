@@ -155,3 +155,23 @@ def test_the_openapi_document_describes_resuming() -> None:
     assert "stream_not_found" in resume["responses"]["404"]["description"]
     for route in ("/v1/chat/completions", "/v1/completions"):
         assert [p["name"] for p in paths[route]["post"]["parameters"]] == ["Last-Event-ID"]
+
+
+async def test_a_second_resume_on_one_gateway_ends_the_first_with_an_error(redis_url, tokenizer) -> None:
+    """Two connections of one key resume one stream on one gateway: the newer reads on, the older gets an
+    error event and ends (it never hangs), and the request runs to its end (no abort)."""
+    async with deployment(redis_url, tokenizer, step_s=0.02) as (a, b, worker, gateways):
+        first = await a.post("/v1/completions", json=BODY, headers=headers())
+        head = frames(await first.content.readuntil(b"\n\n"))
+        request_id = head[0][0].rsplit(":", 1)[0]
+        older = await b.get(f"/v1/streams/{request_id}", headers=headers(last=head[-1][0]))
+        older_head = frames(await older.content.readuntil(b"\n\n"))
+        newer = await b.get(f"/v1/streams/{request_id}", headers=headers(last=older_head[-1][0]))
+        older_rest = frames(await asyncio.wait_for(older.read(), 5))
+        error = json.loads(older_rest[-2][1])["error"]
+        assert older_rest[-1][1] == "[DONE]" and error["code"] == "stream_taken_over"
+        rest = frames(await newer.read())
+        first.close()
+        assert text(head + older_head + rest) == expected_text(MAX_TOKENS, tokenizer)
+        assert request_id not in worker.aborted
+        assert all(g.broker.num_subscriptions == 0 for g in gateways)

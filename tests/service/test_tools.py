@@ -38,7 +38,8 @@ def _error(body: dict[str, Any]) -> APIError:
     ({"tools": [_tool("ok", strict="yes")]}, "tools[0]"),
     ({"tools": [_tool("a"), _tool("a")]}, "tools"),
     ({"tools": [_tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # a forced call needs a tool to call
+    ({"tool_choice": {"type": "function", "function": {"name": "get-time"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
@@ -51,6 +52,8 @@ def test_rejected(body: dict[str, Any], param: str) -> None:
 def test_no_tools() -> None:
     assert parse_tool_request({}) is None
     assert parse_tool_request({"tools": []}) is None
+    assert parse_tool_request({"tool_choice": "auto"}) is None  # nothing to choose from: no change
+    assert parse_tool_request({"tools": [], "tool_choice": "none"}) is None
 
 
 def test_defaults_and_template_tools() -> None:

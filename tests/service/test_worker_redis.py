@@ -18,7 +18,7 @@ from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, GatewayBeat
 from service.redis_keys import Keys
 from service.redis_worker import RedisWorkerBroker
 from service.worker import EXIT_FAILED_STEPS, Worker
-from tests.service.conftest import MODEL_NAME, running, until
+from tests.service.conftest import MODEL_NAME, count_calls, running, until
 from tests.service.fake_engine import BOOM_ON_STEP, FAIL_ON_STEP, FakeEngine
 
 GATEWAY = "gw1"
@@ -48,9 +48,13 @@ async def beat_gateway(client: aioredis.Redis, keys: Keys, gateway_id: str, adop
 
 async def submit(client: aioredis.Redis, keys: Keys, request_id: str, max_tokens: int, prompt: list[int] = (1,),
                  gateway_id: str = GATEWAY) -> None:
+    await client.xadd(keys.requests(MODEL_NAME), request_fields(request_id, max_tokens, prompt, gateway_id))
+
+
+def request_fields(request_id: str, max_tokens: int, prompt: list[int] = (1,), gateway_id: str = GATEWAY) -> dict:
+    """A request stream entry's fields, as a gateway writes them."""
     wire = params_to_wire(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    msg = RequestMsg(request_id, list(prompt), wire, gateway_id, time.time(), MODEL_NAME)
-    await client.xadd(keys.requests(MODEL_NAME), {"p": encode(msg)})
+    return {"p": encode(RequestMsg(request_id, list(prompt), wire, gateway_id, time.time(), MODEL_NAME))}
 
 
 async def replies(client: aioredis.Redis, keys: Keys, request_id: str,
@@ -156,9 +160,9 @@ async def test_replies_survive_a_redis_outage_nothing_lost_or_duplicated(redis_c
     try:
         async with running(make_worker(proxied, engine, step_lane=step_lane)):
             await until_async(lambda: replies(client, keys, "r1"), 5)  # a first batch landed
-            await asyncio.sleep(0.2)
+            await until(lambda: generated(engine, "r1") >= 20)
             proxy.sever()  # mid-stream, mid-pipeline
-            await asyncio.sleep(1.0)  # the engine keeps stepping: its replies wait in the outbox
+            await until(lambda: generated(engine, "r1") >= 50)  # still stepping: its replies wait in the outbox
             proxy.cut = False
             events = await asyncio.wait_for(finished(client, keys, "r1"), 10)
             await until_async(lambda: settled(client, keys))
@@ -166,6 +170,11 @@ async def test_replies_survive_a_redis_outage_nothing_lost_or_duplicated(redis_c
         await proxy.close()
     assert tokens(events) == [66 + i for i in range(150)]  # none lost, none twice
     assert [e.index for e in events] == list(range(150))
+
+
+def generated(engine: FakeEngine, request_id: str) -> int:
+    """The tokens the engine has generated for a request it runs (0 before it has it)."""
+    return engine.requests.get(request_id, [0, 0])[1]
 
 
 async def dead_consumer_takes(client: aioredis.Redis, keys: Keys, consumer: str) -> bytes:
@@ -236,28 +245,38 @@ async def test_a_request_that_failed_on_max_deliveries_engines_is_dead_lettered(
     assert (fields[b"r"], fields[b"e"], fields[b"why"]) == (b"r1", entry, b"failed on 3 engines")
 
 
+class StoppedOnFirstAdd(FakeEngine):
+    """SIGTERM reaches the worker as its engine takes the first request: at that step, whatever the machine's
+    speed (a stop from the test, after it saw the request added, may come any number of steps later)."""
+
+    def __init__(self, worker_of: list[Worker], **options) -> None:
+        super().__init__(**options)
+        self._worker_of = worker_of
+
+    def add_request(self, *args, **kwargs) -> None:
+        super().add_request(*args, **kwargs)
+        self._worker_of[0].stop()
+
+
 async def test_sigterm_drains_in_flight_requests_and_leaves_queued_ones(redis_config, client) -> None:
-    keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
-    worker = make_worker(redis_config, engine)
-    task = asyncio.create_task(worker.run())
+    keys, worker_of = Keys(redis_config.prefix), []
+    engine = StoppedOnFirstAdd(worker_of)
+    # One pull takes r1 alone; the drain (no time limit that matters) ends when r1 has all its 30 tokens.
+    worker_of.append(make_worker(redis_config, engine, max_pull=1, drain_timeout_s=60))
     await submit(client, keys, "r1", max_tokens=30)
-    await until(lambda: engine.added == ["r1"])
-    worker.stop()
     await submit(client, keys, "r2", max_tokens=2)
-    assert await asyncio.wait_for(task, 5) == 0
+    assert await asyncio.wait_for(worker_of[0].run(), 5) == 0
     assert tokens(await finished(client, keys, "r1")) == [66 + i for i in range(30)]
     assert engine.added == ["r1"] and await client.xlen(keys.requests(MODEL_NAME)) == 1  # r2 waits for another
     assert await client.get(keys.engine("w0")) is None
 
 
 async def test_a_drain_past_its_timeout_leaves_the_rest_to_other_engines(redis_config, client) -> None:
-    keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
-    worker = make_worker(redis_config, engine, drain_timeout_s=0.2)
-    task = asyncio.create_task(worker.run())
+    keys, worker_of = Keys(redis_config.prefix), []
+    engine = StoppedOnFirstAdd(worker_of, step_s=0.01)  # 400 steps: 4 s at least, past the drain's 0.2 s
+    worker_of.append(make_worker(redis_config, engine, drain_timeout_s=0.2))
     await submit(client, keys, "r1", max_tokens=400)
-    await until(lambda: engine.added == ["r1"])
-    worker.stop()
-    assert await asyncio.wait_for(task, 5) == 0
+    assert await asyncio.wait_for(worker_of[0].run(), 5) == 0
     assert await client.get(keys.engine("w0")) is None  # dead at once for the others
     assert (await client.xpending(keys.requests(MODEL_NAME), GROUP))["pending"] == 1
     _, kept = await replies(client, keys, "r1")
@@ -276,10 +295,13 @@ async def test_requests_of_a_gone_gateway_are_aborted_unless_adopted(redis_confi
     for rid in ("orphan", "adopted"):
         await submit(client, keys, rid, max_tokens=10_000, gateway_id="gone")
     await submit(client, keys, "kept", max_tokens=10_000)
-    async with running(make_worker(redis_config, engine, orphan_grace_s=0.3)):
+    worker = make_worker(redis_config, engine, orphan_grace_s=0.3)
+    reads = count_calls(worker.broker, "gateways")  # once each heartbeat interval, with the orphans' check
+    async with running(worker):
         events = await asyncio.wait_for(finished(client, keys, "orphan", gateway_id="gone"), 5)
         assert (events[-1].kind, events[-1].error) == (EventKind.ERROR, "the request's gateway is gone")
-        await asyncio.sleep(0.2)
+        seen = reads[0]
+        await until(lambda: reads[0] >= seen + 3)  # more checks: the adopted one is never an orphan
         assert sorted(engine.requests) == ["adopted", "kept"]
 
 
@@ -298,14 +320,16 @@ async def test_consecutive_failed_steps_end_the_worker_non_zero(redis_config, cl
 async def test_an_engine_that_stalled_drops_the_requests_another_one_resumed(redis_config, client) -> None:
     keys, engine = Keys(redis_config.prefix), FakeEngine(step_s=0.01)
     await submit(client, keys, "r1", max_tokens=10_000)
-    async with running(make_worker(redis_config, engine)):
+    worker = make_worker(redis_config, engine)
+    beats = count_calls(worker.broker, "heartbeat")
+    async with running(worker):
         await until(lambda: "r1" in engine.requests)
         engine.step_s = 1.0  # a step hangs past the heartbeat TTL, and meanwhile another engine resumes r1
-        await asyncio.sleep(0.1)
         await client.set(keys.owner("r1"), "w1/other")
         await until(lambda: "r1" not in engine.requests, timeout_s=3)
         engine.step_s = 0.01
         wire, _ = await replies(client, keys, "r1")
-        await asyncio.sleep(0.3)
+        seen = beats[0]
+        await until(lambda: beats[0] >= seen + 3)  # beating again, and stepping
         assert (await replies(client, keys, "r1"))[0] == wire  # nothing more from the stalled engine
     assert (await client.xpending(keys.requests(MODEL_NAME), GROUP))["pending"] == 1  # the resumer acks it

@@ -3,6 +3,7 @@ in order, aborts (queued or running), and errors reaching the requester."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -114,27 +115,49 @@ async def test_errors_reach_the_requester(bus, gateway) -> None:
     assert (bad_step[-1].kind, bad_step[-1].status) == (EventKind.ERROR, 500) and "kaboom" in bad_step[-1].error
 
 
+class BrokenEngine(FakeEngine):
+    """Cannot abort (at module level: test_engine_protocol checks it against the Engine protocol)."""
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        raise RuntimeError("cannot abort")
+
+
 async def test_a_failed_step_ends_every_request_even_if_aborts_fail(bus, gateway) -> None:
     """A step that raises fails every request it ran, each with an error event, even when the broken engine
     cannot abort them either."""
-    class BrokenEngine(FakeEngine):
-        def abort_request(self, request_ids) -> None:
-            raise RuntimeError("cannot abort")
-
+    # Both queued before the worker starts: one poll takes both, and the first step (which raises) runs both,
+    # whatever the machine's speed (a healthy request sent first could finish before the bad one is pulled).
+    healthy = await submit(gateway, "healthy", [1], max_tokens=2)
+    bad_step = await submit(gateway, "step", [BOOM_ON_STEP], max_tokens=2)
     async with running(memory_worker(bus, BrokenEngine())):
-        healthy = await submit(gateway, "healthy", [1], max_tokens=10_000)
-        await asyncio.wait_for(healthy.get(), 5)  # accepted, then running
-        bad = await until_finished(await submit(gateway, "step", [BOOM_ON_STEP], max_tokens=2))
+        bad = await until_finished(bad_step)
         ended = await until_finished(healthy)
+    assert [e.kind for e in ended] == [EventKind.ACCEPTED, EventKind.ERROR]  # not a token: it ended with the step
     for events in (bad, ended):
         assert (events[-1].kind, events[-1].status) == (EventKind.ERROR, 500) and "kaboom" in events[-1].error
 
 
+class HeldEngine(FakeEngine):
+    """Its steps hang until the test releases them (for 30 s at most: a failed test ends too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def step(self) -> list:
+        self.released.wait(30)
+        return super().step()
+
+
 async def test_a_hung_step_stops_the_heartbeats(bus, gateway) -> None:
-    async with running(memory_worker(bus, FakeEngine(step_s=3.0))):  # heartbeat TTL 1 s
-        await until(lambda: "w0" in bus.live_beats())
-        queue = await submit(gateway, "r1", [1], max_tokens=1)
-        await asyncio.wait_for(queue.get(), 5)  # accepted: its step starts, and hangs
-        await until(lambda: "w0" not in bus.live_beats(), timeout_s=2.9)
+    engine = HeldEngine()
+    async with running(memory_worker(bus, engine)):  # heartbeat TTL 1 s
+        try:
+            await until(lambda: "w0" in bus.live_beats())
+            queue = await submit(gateway, "r1", [1], max_tokens=1)
+            await asyncio.wait_for(queue.get(), 5)  # accepted: its step starts, and hangs
+            await until(lambda: "w0" not in bus.live_beats())
+        finally:
+            engine.released.set()
         await until_finished(queue)
         await until(lambda: "w0" in bus.live_beats())  # beating again once the loop moves
