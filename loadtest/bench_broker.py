@@ -36,8 +36,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
+
+if TYPE_CHECKING:  # the engine imports torch: only the worker process needs them, at run time
+    from engine.core.kv_snapshot import KVSnapshot
+    from engine.outputs import RequestOutput, ResumeState
+    from engine.sampling_params import SamplingParams
+    from engine.stats import EngineStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "bench"
@@ -47,7 +54,8 @@ _STARTUP_S = 10.0  # python + torch imports of every child on a busy machine, be
 # ---- the worker process: the real Worker and RedisWorkerBroker around a synthetic engine ----
 
 class SyntheticEngine:
-    """One token per running request per step, steps at a fixed period (a GPU's step time)."""
+    """One token per running request per step, steps at a fixed period (a GPU's step time). The worker's
+    ``Engine`` protocol in full (tests/service/test_engine_protocol.py checks it): no KV blocks, no prefix cache."""
 
     max_model_len = 1 << 20
 
@@ -59,14 +67,15 @@ class SyntheticEngine:
         self.step_cpu_s = 0.0  # this engine's own CPU time, on the step thread
         self._next_step = time.monotonic()
 
-    def add_request(self, request_id, prompt_token_ids, params, *, cache_salt=None, resume=None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0) -> None:
         self.requests[request_id] = [params.max_tokens, 0]
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
 
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         from engine.outputs import CompletionOutput, RequestOutput
         self._next_step += self.step_s
         delay = self._next_step - time.monotonic()
@@ -95,9 +104,19 @@ class SyntheticEngine:
     def has_capacity(self) -> bool:
         return len(self.requests) < self.max_seqs
 
-    def stats(self):
+    def prefix_cache_summary(self) -> tuple[int, set[bytes]]:
+        return 0, set()  # no prefix caching: nothing to route by
+
+    def stats(self) -> EngineStats:
         from engine.stats import EngineStats
         return EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Its requests, all running, holding no blocks (taken only while a dashboard watches)."""
+        from engine.core.kv_snapshot import KVSnapshot, PoolSnapshot, SnapshotRequest
+        requests = [SnapshotRequest(request_id, "running", 1, []) for request_id in self.requests]
+        # No pools: the block size (the engine's default) labels nothing.
+        return KVSnapshot(time.time(), 16, PoolSnapshot.empty(0), PoolSnapshot.empty(0), requests, self.stats())
 
 
 async def run_worker(args: argparse.Namespace) -> dict:

@@ -67,6 +67,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
+from loadtest import output_path
 from loadtest.profile_step import StepTimers, instrument
 
 MODELS = {
@@ -474,7 +475,7 @@ def main() -> None:
                     for m in args.models.split(",")]
     print(json.dumps(summary, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
+        with open(output_path(args.json), "w") as f:
             json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "summary": summary,
                        "results": [asdict(r) for r in results]}, f, indent=2)
 

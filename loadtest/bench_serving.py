@@ -30,6 +30,7 @@ import aiohttp
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.demo_model import ensure_demo_model
+from loadtest import output_path
 from loadtest.bench_offline import Request, make_workload
 from service.flags import add_config_flags, config_argv, config_from_args
 from service.local_stack import LocalStack
@@ -211,8 +212,7 @@ def report(result: dict, path: str | None) -> None:
     """Prints the result and, given a path, writes it there as JSON."""
     print(json.dumps(result, indent=2))
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+        with open(output_path(path), "w") as f:
             json.dump(result, f, indent=2)
 
 

@@ -42,6 +42,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.structured_output import StructuredOutputManager, StructuredOutputParams
+from loadtest import output_path
 from loadtest.bench_offline import MODELS, make_workload, pagedserve_config, timed, write_checkpoint
 
 MODEL = "llama-19m"
@@ -254,13 +255,13 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"compile_s": round(compile_s, 4), **summarize(runs)}
     print(json.dumps(summary, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
+        with open(output_path(args.json), "w") as f:
             json.dump({"args": vars(args), "cpu_count": os.cpu_count(), "model": MODEL, "schema": SCHEMA,
                        "summary": summary,
                        "runs": {mode: [_record(r, with_texts=mode == "constrained") for r in mine]
                                 for mode, mine in runs.items()}}, f, indent=2)
     if args.png:
-        plot(runs, args.png)
+        plot(runs, output_path(args.png))
     return summary
 
 

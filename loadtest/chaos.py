@@ -46,6 +46,7 @@ import aiohttp
 
 from engine.config import EngineConfig
 from engine.demo_model import ensure_demo_model
+from loadtest import output_path
 from loadtest.bench_serving import report
 from loadtest.stream_client import Outcome, completion_body, sse_stream
 from service.flags import config_argv
@@ -344,10 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run_chaos(options)
     report({k: v for k, v in result.items() if k != "requests"}, None)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(output_path(args.json), "w") as f:
             json.dump(result, f, indent=1)
     if args.png:
-        plot(result, args.png)
+        plot(result, output_path(args.png))
     clean = result["tokens_duplicated"] == 0 and result["tokens_lost"] == 0 and result["hung"] == 0 \
         and result["hostile_5xx"] == 0
     return 0 if clean else 1

@@ -26,6 +26,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _DEADLETTER_MAXLEN = 10_000
 _LANE_RETRY_S = 0.5
+_START_WAIT_S = 60.0  # a restarting Redis is back within seconds; one still gone after this is an outage
 _SET_CHUNK = 4096  # members per SADD / SREM
 
 Entry = tuple[str, bytes, dict]  # (stream, entry id, fields)
@@ -107,7 +109,7 @@ class RedisWorkerBroker:
         # A Cluster has none: the lane is one connection, to one node. Its commands go through the cluster
         # client's pipelines instead, split by node.
         self._lane = None if is_cluster(self._client) else StepLane(self.config, retry_s=_LANE_RETRY_S)
-        await self._ensure_groups()
+        await self._wait_for_groups()
         # Aborts from the last minute still matter: their requests may be queued.
         self._abort_cursor = f"{int(time.time() * 1000) - 60_000}-0".encode()
 
@@ -136,6 +138,19 @@ class RedisWorkerBroker:
         except Exception:
             self._recover = True
             raise
+
+    async def _wait_for_groups(self) -> None:
+        """Redis may be restarting as this engine starts (one fault took both down): the engine waits up
+        to ``_START_WAIT_S`` for it, rather than exiting at once with an error."""
+        deadline = time.monotonic() + _START_WAIT_S
+        while True:
+            try:
+                return await self._ensure_groups()
+            except (aioredis.RedisError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("Redis is not reachable yet (%s); retrying", type(exc).__name__)
+                await asyncio.sleep(_LANE_RETRY_S)
 
     async def _ensure_groups(self) -> None:
         for stream in self._streams:

@@ -4,6 +4,7 @@ dead-lettering, draining, orphans of a gone gateway, and an engine that keeps fa
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,7 @@ from service.config import RedisConfig, WorkerConfig
 from service.messages import (CONTROL_INDEX, ChoiceDelta, EventKind, GatewayBeat, ReplyBatch, ReplyEvent,
                               RequestMsg, decode_batch, encode, encode_batch, params_to_wire)
 from service.redis_keys import Keys
+from service.local_stack import free_port
 from service.redis_worker import RedisWorkerBroker
 from service.worker import EXIT_FAILED_STEPS, Worker
 from tests.service.conftest import MODEL_NAME, count_calls, running, until
@@ -333,3 +335,43 @@ async def test_an_engine_that_stalled_drops_the_requests_another_one_resumed(red
         await until(lambda: beats[0] >= seen + 3)  # beating again, and stepping
         assert (await replies(client, keys, "r1"))[0] == wire  # nothing more from the stalled engine
     assert (await client.xpending(keys.requests(MODEL_NAME), GROUP))["pending"] == 1  # the resumer acks it
+
+
+async def _pings(client: aioredis.Redis) -> bool:
+    try:
+        return await client.ping()
+    except aioredis.ConnectionError:
+        return False
+
+
+async def test_a_worker_started_while_redis_is_down_waits_for_it(tmp_path) -> None:
+    """One fault may take Redis and an engine down together: the engine restarts first, waits for Redis
+    (it would otherwise exit, with nothing to restart it) and serves once Redis is up."""
+    port = free_port()
+    redis = RedisConfig(url=f"redis://127.0.0.1:{port}/0", prefix="late", block_ms=50)
+    worker = make_worker(redis, FakeEngine())
+    attempts, ensure_groups = [0], worker.broker._ensure_groups
+
+    async def attempt() -> None:
+        attempts[0] += 1
+        await ensure_groups()
+
+    worker.broker._ensure_groups = attempt
+    task = asyncio.create_task(worker.run())
+    await until(lambda: attempts[0] >= 2)  # it tried, failed and tried again: still waiting, not exited
+    assert not task.done()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    client = aioredis.Redis.from_url(redis.url)
+    try:
+        keys = Keys(redis.prefix)
+        while not await _pings(client):
+            await asyncio.sleep(0.05)
+        await submit(client, keys, "r1", max_tokens=3)
+        assert len(tokens(await finished(client, keys, "r1"))) == 3
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        await client.aclose()
+        server.terminate()
+        server.wait()
