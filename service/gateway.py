@@ -50,7 +50,7 @@ _API_KEY = web.RequestKey("api_key", str)  # the key a request authenticated wit
 _TENANT_KEY = b"pagedserve stream tenant"
 # What this gateway names requests (``_admitted``); a resume naming anything else is unknown without a lookup.
 _REQUEST_ID = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}", re.ASCII)
-_EVENT_ID = re.compile(r"((?:chatcmpl|cmpl)-[0-9a-f]{32}):([0-9]{1,9})", re.ASCII)
+_EVENT_ID = re.compile(rf"({_REQUEST_ID.pattern}):([0-9]{{1,9}})", re.ASCII)
 
 
 class ClientGone(Exception):
@@ -254,7 +254,7 @@ class Gateway:
     async def _generate(self, http: web.Request, req: GenerationRequest, body: bytes,
                         start: float) -> web.StreamResponse:
         self._check_model(req.model)
-        self._check_chars(req)
+        self._check_chars(req.messages if req.chat else None, req.tools, req.prompts)
         check_tool_parser(req.tools, self.config.tool_call_parser)
         await self._check_structured_output(http, req)
         async with AsyncExitStack() as admitted:
@@ -328,7 +328,7 @@ class Gateway:
     async def tokenize(self, http: web.Request) -> web.Response:
         req = parse_tokenize(parse_json(await http.read()))
         self._check_model(req.model)
-        self._check_tokenize_chars(req)
+        self._check_chars(req.messages, req.tools, [req.prompt])
         ids = await self.off_loop(http, self._tokenize_only, req, bounded=True)
         return web.json_response({"count": len(ids), "max_model_len": self._context_len(), "tokens": ids})
 
@@ -408,33 +408,25 @@ class Gateway:
         """Whose turn a tokenizer job takes: the tenant's, or without keys (no tenants) the client address's."""
         return self.tenant_of(http) if self.config.all_keys else f"peer {http.remote}"
 
-    def _check_chars(self, req: GenerationRequest) -> None:
-        """Rejects a prompt that cannot fit the context whatever the tokenizer makes of it, before paying
-        for tokenizing it: even at ``max_chars_per_token`` characters per token it is too long."""
+    def _check_chars(self, messages: list[dict[str, Any]] | None, tools: ToolRequest | None,
+                     prompts: list[str | list[int]]) -> None:
+        """Rejects a chat's ``messages`` (with ``tools``), or else any of ``prompts``, that cannot fit the
+        context whatever the tokenizer makes of it, before paying for tokenizing it: even at
+        ``max_chars_per_token`` characters per token it is too long. /tokenize is held to the same cap: the
+        tokenizer's time is everyone's."""
         context = self._context_len()
         chars = context * self.config.max_chars_per_token
-        if req.chat:
-            size = _chat_chars(req.messages, req.tools, self._chars_per_message)
+        if messages is not None:
+            size = _chat_chars(messages, tools, self._chars_per_message)
             sizes = [(size, chars, "characters of messages, tools and their template")]
         else:  # each prompt is its own engine request and must fit on its own
             sizes = [(len(p), context, "token ids") if isinstance(p, list) else (len(p), chars, "characters")
-                     for p in req.prompts]
+                     for p in prompts]
         for size, limit, what in sizes:
             if size > limit:
                 raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
                                     f"accepts at most {limit} {what}; this request has {size}.",
-                               param="messages" if req.chat else "prompt", code="context_length_exceeded")
-
-    def _check_tokenize_chars(self, req: TokenizeRequest) -> None:
-        """/tokenize's text is held to the same cap as a prompt's: the tokenizer's time is everyone's."""
-        context = self._context_len()
-        limit = context * self.config.max_chars_per_token
-        chat = req.messages is not None
-        size = _chat_chars(req.messages, req.tools, self._chars_per_message) if chat else len(req.prompt)
-        if size > limit:
-            raise APIError(400, f"This model's maximum context length is {context} tokens, so this server "
-                                f"tokenizes at most {limit} characters; this request has {size}.",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
+                               param="prompt" if messages is None else "messages", code="context_length_exceeded")
 
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""

@@ -62,10 +62,10 @@ class ReplyRouter:
         """A newer connection resumes the request here: the older stream gets an error event and ends (its
         reader must not abort the request, which the newer one now reads)."""
         sub = self._subs.get(request_id)
-        if sub is not None:
-            sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, "", finished=True, status=HANDED_OVER_STATUS,
-                                            error="another connection resumed this stream"))
-        self.release(request_id)
+        if sub is None:
+            self.release(request_id)
+        else:
+            self._end(request_id, sub, "another connection resumed this stream", HANDED_OVER_STATUS)
 
     def on_accepted(self, request_id: str, engine_id: str) -> None:
         """An engine took the request (a transport that routes by what engines hold learns from it)."""
@@ -162,7 +162,8 @@ class ReplyRouter:
             self.release(request_id)
 
     def _end(self, request_id: str, sub: Subscription, reason: str, status: int) -> None:
-        """An error made here (engine id ""): the gateway still owes the engine an abort."""
+        """An error made here (engine id ""): the stream's reader ends (and owes the engine an abort, unless
+        the stream was handed over)."""
         sub.queue.put_nowait(ReplyEvent(EventKind.ERROR, "", finished=True, error=reason, status=status))
         self.release(request_id)
 
