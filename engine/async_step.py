@@ -53,7 +53,7 @@ def runs_ahead(out: SchedulerOutput, constrained: bool, speculative: bool = Fals
     prompt logprobs."""
     if constrained or speculative:
         return False
-    return not any(s.forks or s.group.beam is not None or s.group.params.prompt_logprobs is not None
+    return not any(s.forks or s.group.params.use_beam_search or s.group.params.prompt_logprobs is not None
                    for s in out.scheduled)
 
 

@@ -64,17 +64,21 @@ class BeamState:
         caps = [c for c in (params.max_tokens, max_model_len and max_model_len - num_prompt_tokens) if c]
         if not caps:
             raise ValueError("beam search needs max_tokens or max_model_len")
-        eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        return cls(params.beam_width, params.length_penalty, params.early_stopping, min(caps), eos)
+        return cls(params.beam_width, params.length_penalty, params.early_stopping, min(caps),
+                   _eos(params, eos_token_ids))
 
     @property
     def full(self) -> bool:
         return len(self.hyps) == self.width
 
-    @property
-    def num_kept(self) -> int:
-        """(candidate, token) pairs a step keeps: transformers' max(2, 1 + #eos) * width."""
-        return max(2, 1 + len(self.eos)) * self.width
+
+def _eos(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+
+
+def num_kept(params: SamplingParams, eos_token_ids: frozenset[int]) -> int:
+    """(candidate, token) pairs a step of the request keeps: transformers' max(2, 1 + #eos) * width."""
+    return max(2, 1 + len(_eos(params, eos_token_ids))) * params.beam_width
 
 
 @dataclass(slots=True)
@@ -94,7 +98,8 @@ class TopTokens:
         return TopTokens(self.logprobs[i], self.token_ids[i])
 
 
-def top_tokens(logits: torch.Tensor, samples: list[tuple[int, ScheduledSeq]]) -> TopTokens:
+def top_tokens(logits: torch.Tensor, samples: list[tuple[int, ScheduledSeq]], eos_token_ids: frozenset[int]
+               ) -> TopTokens:
     """The best next tokens of the beam candidates' logits rows (``(row, ScheduledSeq)`` pairs): fp32
     log-softmax (of the logits divided by the request's temperature when it is above greedy), as many
     per row as its request keeps per step."""
@@ -103,7 +108,8 @@ def top_tokens(logits: torch.Tensor, samples: list[tuple[int, ScheduledSeq]]) ->
     if any(t > _GREEDY_TEMPERATURE for t in temps):
         scale = torch.tensor([t if t > _GREEDY_TEMPERATURE else 1.0 for t in temps], device=rows.device)
         rows = rows / scale[:, None]
-    return TopTokens.of(torch.log_softmax(rows, dim=-1), max(s.group.beam.num_kept for _, s in samples))
+    k = max(num_kept(s.group.params, eos_token_ids) for _, s in samples)
+    return TopTokens.of(torch.log_softmax(rows, dim=-1), k)
 
 
 def select(state: BeamState, cands: list[Sequence], top_rows: list[TopTokens]) -> list[Continuation]:
@@ -114,7 +120,7 @@ def select(state: BeamState, cands: list[Sequence], top_rows: list[TopTokens]) -
     columns = logprobs.shape[1]
     cum = torch.tensor([c.cumulative_logprob for c in cands], dtype=torch.float32)
     scores = (logprobs + cum[:, None]).view(-1)  # fp32 sums, as transformers adds them
-    top, flat = scores.topk(min(state.num_kept, scores.numel()))
+    top, flat = scores.topk(min(max(2, 1 + len(state.eos)) * width, scores.numel()))
     length = cands[0].num_output_tokens + 1  # every candidate has as many tokens
     normalized = (top / length ** state.length_penalty).tolist()
     at_limit = length >= state.max_new_tokens
@@ -178,3 +184,56 @@ def final_sequences(state: BeamState, prompt: list[int], n: int) -> list[Sequenc
     return [Sequence(prompt + h.token_ids, len(prompt), rank, status[h.finish_reason],
                      cumulative_logprob=h.cumulative_logprob)
             for rank, h in enumerate(state.hyps[:n])]
+
+
+@dataclass(slots=True)
+class BeamStep:
+    """What one step of a search did: the candidates to run next and those dropped (their blocks to free), or,
+    once it is over, its best hypotheses as finished sequences (``final``)."""
+
+    cands: list[Sequence]
+    dropped: list[Sequence]
+    final: list[Sequence] | None = None
+
+
+class BeamSearches:
+    """Every live beam request's ``BeamState``, by request id; the scheduler calls it with each step's rows."""
+
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int | None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._states: dict[str, BeamState] = {}
+
+    def start(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+        self._states[request_id] = BeamState.for_request(params, num_prompt_tokens, self.eos_token_ids,
+                                                         self.max_model_len)
+
+    def record(self, samples: list[tuple[int, ScheduledSeq]], tokens: TopTokens) -> list[ScheduledSeq]:
+        """Keep each running candidate's best tokens; returns a scheduled seq of each search whose candidates
+        all have theirs (its step is due), once per search."""
+        if len(samples) != len(tokens.logprobs):
+            raise ValueError(f"{len(samples)} beam candidates sampled, {len(tokens.logprobs)} rows of tokens")
+        touched: dict[str, ScheduledSeq] = {}
+        for i, (_, s) in enumerate(samples):
+            if s.seq.status is SequenceStatus.RUNNING:
+                self._states[s.group.request_id].pending[s.seq.seq_id] = tokens.row(i)
+                touched.setdefault(s.group.request_id, s)
+        return [s for rid, s in touched.items()
+                if all(seq.seq_id in self._states[rid].pending for seq in s.group.seqs)]
+
+    def step(self, kv: KVAllocator, request_id: str, cands: list[Sequence], prompt: list[int], n: int) -> BeamStep:
+        """The search's step over its candidates' recorded rows; the state is dropped once it is over."""
+        state = self._states[request_id]
+        running = select(state, cands, [state.pending.pop(seq.seq_id) for seq in cands])
+        if state.done:
+            del self._states[request_id]
+            return BeamStep([], cands, final_sequences(state, prompt, n))
+        nxt, dropped = advance(kv, cands, running)
+        return BeamStep(nxt, dropped)
+
+    def recomputing(self, request_id: str) -> None:
+        """Its candidates' K/V is dropped: their rows come again with the recomputed K/V."""
+        self._states[request_id].pending.clear()
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)

@@ -91,8 +91,9 @@ class EngineConfig:
         """The speculative decoding settings, None when off."""
         if self.speculative_method is None:
             return None
-        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
-                                 self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max)
+        return SpeculativeConfig(method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+                                 model=self.speculative_model, prompt_lookup_min=self.ngram_prompt_lookup_min,
+                                 prompt_lookup_max=self.ngram_prompt_lookup_max)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class DecodeGraphs:
 
 def _no_seqs(width: int) -> StepTensors:
     """A step of no sequences, on the host: loaded at a bucket's layout, every row is a pad."""
-    meta = AttentionMetadata(_NO_TOKENS, torch.empty(0, width, dtype=torch.int32), torch.empty(0, dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32), 1, 1)
+    meta = AttentionMetadata(slot_mapping=_NO_TOKENS, block_tables=torch.empty(0, width, dtype=torch.int32),
+                             seq_lens=torch.empty(0, dtype=torch.int32),
+                             query_start_loc=torch.zeros(1, dtype=torch.int32), max_query_len=1, max_seq_len=1)
     return StepTensors(_NO_TOKENS, _NO_TOKENS, meta, _NO_TOKENS)

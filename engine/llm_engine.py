@@ -1,34 +1,33 @@
 """The step-driven engine: requests in, incremental token outputs out.
 
-Each ``step``: the scheduler picks the batch, the runner computes its logits,
-the sampler draws the tokens, and ``Scheduler.update_from_output`` records
-them (forks, stops, frees); the engine turns the groups that got tokens into
-incremental ``RequestOutput``s."""
+Each ``step`` is one pass down the stages, each with one owner: the scheduler picks the batch (with the proposed
+tokens to verify and the grammar mask), the runner computes its logits, the sampler draws everything the step
+needs, and ``Scheduler.update_from_output`` records it and returns the ``RequestOutput``s. The scheduler is the
+one registry of requests; the engine keeps no request state."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future
 
 import torch
 
-from engine import beam_search
 from engine.async_step import StepPipeline, runs_ahead
 from engine.config import EngineConfig
+from engine.context_length import fit_max_tokens
+from engine.core.grammar import StructuredOutputManager
 from engine.core.kv_snapshot import KVSnapshot
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
+from engine.core.scheduler_output import SchedulerOutput
+from engine.core.speculation import Speculation
 from engine.distributed.executor import create_executor
-from engine.model_runner import Logits, PromptLogprobs
-from engine.outputs import CompletionOutput, RequestOutput, ResumeState, TokenLogprobs
+from engine.outputs import RequestOutput, ResumeState
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.spec_decode.speculator import Speculator, make_speculator
 from engine.stats import EngineStats
-from engine.structured_output import StructuredOutputManager, TokenMask, check_structured_output
+from engine.structured_output import check_structured_output
 
 # The longest structured_output spec (schema / regex / grammar text) the engine compiles.
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 20
@@ -46,21 +45,12 @@ class LLMEngine:
         self.config, self.runner = create_executor(config)  # a ModelRunner, or rank 0 of a tensor-parallel group
         self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids: set[int] = set(self.config.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids)
+        grammar = StructuredOutputManager(self._tokenizer_info, config.max_grammar_bytes,
+                                          self.config.model_config.vocab_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.eos_token_ids, grammar)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.config.device, self.runner.ops)
-        self._groups: dict[str, SequenceGroup] = {}
-        self._aborted: list[SequenceGroup] = []
-        # Resumed requests with choices finished on arrival (their stop condition already met): reported next step.
-        self._resumed_ends: dict[str, tuple[SequenceGroup, list[Sequence]]] = {}
-        # The prompt logprobs of requests that asked, filled in as their prefill chunks run (entry 0 is None).
-        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-        self.grammar = StructuredOutputManager(self._tokenizer_info, config.max_grammar_bytes)
-        # Requests whose grammar compiles on the manager's pool, in arrival order; then their compiled grammar.
-        self._pending: deque[tuple[SequenceGroup, ResumeState | None, Future]] = deque()
-        self._grammars: dict[str, object] = {}
         self._pipeline = StepPipeline(self.runner) if config.async_scheduling else None
         self.speculator: Speculator | None = make_speculator(config, self.config)
-        self._propose_seconds = self._verify_seconds = 0.0
         self._scheduled_at = 0.0  # when the latest step was scheduled (the verification time of its step)
 
     # ---- requests -------------------------------------------------------
@@ -73,32 +63,16 @@ class LLMEngine:
         ``priority``: lower is scheduled first and preempted last (vLLM's convention); equal ones go by arrival.
         ``params.prompt_logprobs`` come with the first output; a resumed request that had delivered tokens
         already had them, so they are not computed again (one that had delivered none gets them)."""
-        self._validate(request_id, prompt_token_ids, params)
+        self._validate(prompt_token_ids, params)
         if resume is not None:
             self._validate_resume(prompt_token_ids, params, resume)
         group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
                               time.time() if arrival_time is None else arrival_time,
                               cache_salt=cache_salt.encode() if cache_salt else None, priority=priority)
-        self.scheduler.check_new(group)
-        self._groups[request_id] = group
-        if params.structured_output is not None:  # scheduled once its grammar is compiled (_admit_pending)
-            self._pending.append((group, resume, self.grammar.compile(params.structured_output)))
-        else:
-            self._schedule_new(group, resume)
-
-    def _schedule_new(self, group: SequenceGroup, resume: ResumeState | None) -> None:
-        request_id = group.request_id
         self.scheduler.add_group(group)
-        if wants_prompt_logprobs(group, group.seqs[0]):
-            self._prompt_logprobs[request_id] = [None]
-        if resume is not None:
-            ended = [seq for seq in group.seqs if seq.is_finished and resume.finish_reasons[seq.index] is None]
-            if ended or group.is_finished:
-                self._resumed_ends[request_id] = (group, ended)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """The engine's edge for offline callers (the gateway checked the same for served requests)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt:
@@ -108,11 +82,7 @@ class LLMEngine:
             self._check_token_ids("logit_bias", list(params.logit_bias))
         if params.structured_output is not None:
             check_structured_output(params.structured_output, MAX_STRUCTURED_OUTPUT_CHARS)
-        wanted = len(prompt) + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise ValueError(f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
-                             f"the prompt has {len(prompt)} tokens and {params.max_tokens or 1} more were requested "
-                             f"(max_tokens), {wanted} in total")
+        fit_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
 
     def _validate_resume(self, prompt: list[int], params: SamplingParams, resume: ResumeState) -> None:
         if not isinstance(resume, ResumeState):
@@ -136,46 +106,10 @@ class LLMEngine:
             raise ValueError(f"{what} token ids must be in [0, {vocab_size}), got range [{min(ids)}, {max(ids)}]")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        known = [i for i in ids if i in self._groups]
-        if known:
-            # A resumed request that finished on arrival is not the scheduler's: it still reports its own finish.
-            aborted = self.scheduler.abort(known)
-            self._aborted += aborted
-            for group in aborted:
-                self._resumed_ends.pop(group.request_id, None)
-            for request_id in known:
-                self._forget_grammar(self._groups.pop(request_id))
-
-    def _forget_grammar(self, group: SequenceGroup) -> None:
-        """An aborted request's grammar state; one still compiling is aborted here (the scheduler never saw it)."""
-        if any(g is group for g, _, _ in self._pending):
-            for seq in group.seqs:
-                seq.status = SequenceStatus.FINISHED_ABORTED
-            self._aborted.append(group)
-        if self._grammars.pop(group.request_id, None) is not None:
-            for seq in group.seqs:
-                self.grammar.release(seq.seq_id)
-
-    def _admit_pending(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar is ready, in arrival order; fail those whose grammar failed."""
-        outputs = []
-        while self._pending and self._pending[0][2].done():
-            group, resume, future = self._pending.popleft()
-            if group.request_id not in self._groups:  # aborted while compiling
-                continue
-            if future.exception() is not None:
-                for seq in group.seqs:
-                    seq.status = SequenceStatus.FINISHED_ERROR
-                outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR,
-                                                  f"structured_output: {future.exception()}"))
-                continue
-            self._grammars[group.request_id] = future.result()
-            self._schedule_new(group, resume)
-        return outputs
+        self.scheduler.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or bool(self._aborted) or bool(self._resumed_ends)
+        return self.scheduler.has_unfinished()
 
     def has_capacity(self) -> bool:
         s = self.scheduler
@@ -185,76 +119,58 @@ class LLMEngine:
 
     # ---- one iteration --------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = [self._final_output(g, SequenceStatus.FINISHED_ABORTED) for g in self._aborted]
-        self._aborted.clear()
-        if self._pending:
-            outputs += self._admit_pending()
-        outputs += self._resumed_end_outputs()
+        """schedule -> run -> sample -> update_from_output (``_step_async`` overlaps them)."""
         if self._pipeline is not None:
-            return outputs + self._step_async()
-        out = self._schedule(outputs)
+            return self._step_async()
+        out = self._schedule()
         if out.is_empty:
-            return outputs
+            return self.scheduler.take_unreported()
         try:
-            logits = self.runner.execute(out)
-            return outputs + self._process_samples(out, logits, self._sample(out.samples(), logits))
+            sampled = self.sampler.sample(out, self.runner.execute(out))
         except Exception as exc:  # a failing batch never fails the engine
-            return outputs + self._recover(out, exc)
+            return self._recover(out, exc)
+        return self._update(out, sampled)
 
-    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
-        """The next step (with proposed tokens to verify when speculating); the groups the scheduler failed go
-        to ``outputs``."""
-        if self.speculator is None:
-            out = self.scheduler.schedule()
-        else:
-            started = time.perf_counter()
-            self.speculator.propose(self.scheduler.running.values())
-            self._propose_seconds += time.perf_counter() - started
-            out = self.scheduler.schedule()
-            self.speculator.discard_unscheduled()
-            self._scheduled_at = time.perf_counter()
-        self._report_failed(out, outputs)
+    def _schedule(self) -> SchedulerOutput:
+        """The next step, with the proposed tokens to verify when speculating."""
+        drafts = self.speculator.propose(self.scheduler.speculation_targets()) if self.speculator else None
+        out = self.scheduler.schedule(drafts)
+        self._scheduled_at = time.perf_counter()
         return out
 
-    def _report_failed(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
-        for group in out.failed:
-            outputs.append(self._final_output(group, SequenceStatus.FINISHED_ERROR, group.error))
+    def _update(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = self.scheduler.update_from_output(out, sampled)
+        if out.num_draft_tokens:
+            self.speculator.verify_seconds += time.perf_counter() - self._scheduled_at
+        return outputs
 
     def _step_async(self) -> list[RequestOutput]:
         """One step's outputs, the next step scheduled (when ``runs_ahead``) and launched before they are
         processed (engine/async_step.py)."""
-        pipeline, outputs = self._pipeline, []
+        pipeline = self._pipeline
         if pipeline.in_flight is None:
-            out = self._schedule(outputs)
+            out = self._schedule()
             if out.is_empty:
-                return outputs
+                return self.scheduler.take_unreported()
             try:
                 pipeline.launch(out, self.runner.plan(out))
             except Exception as exc:
-                return outputs + self._recover(out, exc)
+                return self._recover(out, exc)
         current = pipeline.take()
         out, ahead = current.out, None
-        if runs_ahead(out, bool(self._grammars), self.speculator is not None and self._speculates(out)):
+        if runs_ahead(out, self.scheduler.grammar.active, self.speculator is not None and _speculates(out)):
             ahead = pipeline.schedule_ahead(self.scheduler, out)
-            if ahead is not None:
-                self._report_failed(ahead.out, outputs)
         try:
             logits = current.logits.result()
-            samples = out.samples()
-            tokens, values = self._draw(samples, logits)
+            tokens = self.sampler.draw_step(out, logits)
         except Exception as exc:
-            outputs += self._recover(out, exc)
+            outputs = self._recover(out, exc)
             if ahead is not None:
                 self.scheduler.unschedule(ahead.out)
             return outputs
         if ahead is not None and not ahead.out.is_empty:
             tokens = pipeline.launch_ahead(ahead, tokens)
-        sampled = self._output(samples, tokens, values)
-        return outputs + self._process_samples(out, logits, sampled)
-
-    def _speculates(self, out: SchedulerOutput) -> bool:
-        """Whether a request of ``out`` speculates: its next proposals read this step's tokens."""
-        return any(self.speculator.eligible(s.group) for s in out.scheduled)
+        return self._update(out, self.sampler.step_output(out, logits, tokens))
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one
@@ -265,173 +181,19 @@ class LLMEngine:
             logger.warning("step failed (%s: %s); retrying its %d requests one at a time",
                            type(exc).__name__, exc, len(groups))
             self.scheduler.isolate(groups)
-            return []
-        logger.exception("step failed; failing its request")
-        return self._fail_scheduled(out, f"internal error while running the batch: {exc}")
+        else:
+            logger.exception("step failed; failing its request")
+            self.scheduler.fail([g.request_id for g in groups], f"internal error while running the batch: {exc}")
+        return self.scheduler.take_unreported()
 
-    def _process_samples(self, out: SchedulerOutput, logits: Logits | None, sampled: SamplerOutput
-                         ) -> list[RequestOutput]:
-        now = time.time()
-        for s in out.scheduled:
-            s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
-        if logits is not None and logits.prompt is not None:
-            self._record_prompt_logprobs(out, logits.prompt)  # first: the positions are read off the seqs' tokens
-        samples, beams = out.samples(), out.beam_samples()
-        beam_tokens = beam_search.top_tokens(logits.values, beams) if beams else None
-        groups = self.scheduler.update_from_output(out, sampled, beam_tokens)
-        if self._grammars:
-            self._advance_grammars(samples)
-        if self.speculator is not None:
-            self.speculator.observe(out)
-            if out.num_draft_tokens:
-                self._verify_seconds += time.perf_counter() - self._scheduled_at
-        return [self._step_output(g, now) for g in groups]
-
-    def _record_prompt_logprobs(self, out: SchedulerOutput, prompt: PromptLogprobs) -> None:
-        """Append the step's prompt rows to their requests' prompt logprobs. A re-prefill (recompute
-        preemption before the first token) starts over: what it recomputes replaces the earlier entries."""
-        token, top_ids, top_logprobs = prompt.token.tolist(), prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
-        row = 0
-        for s in out.scheduled:
-            span = s.prompt_logprob_positions()
-            entries = self._prompt_logprobs.get(s.group.request_id) if span else None
-            if entries is not None:
-                k = s.group.params.prompt_logprobs
-                del entries[span.start + 1:]
-                entries += [[(target, token[r]), *zip(top_ids[r][:k], top_logprobs[r][:k])]
-                            for r, target in enumerate(s.seq.token_ids[span.start + 1:span.stop + 1], row)]
-            row += len(span)
-
-    def _sample(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None) -> SamplerOutput:
-        return self._output(samples, *self._draw(samples, logits))
-
-    def _output(self, samples: list[tuple[int, ScheduledSeq, Sequence]], tokens: torch.Tensor | None,
-                values: torch.Tensor | None) -> SamplerOutput:
-        """``_draw``'s tokens (and logprobs) on the host."""
-        if not samples:
-            return SamplerOutput([], [])
-        return self.sampler.output(values, tokens, [s.group.params for _, s, _ in samples])
-
-    def _draw(self, samples: list[tuple[int, ScheduledSeq, Sequence]], logits: Logits | None
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The samples' tokens, still on the device, and their rows' raw logits (None: argmax only)."""
-        if not samples:
-            return None, None
-        if len(samples) != len(logits):  # forks draw several tokens from one row
-            logits = logits.select([row for row, _, _ in samples])
-        seqs = [seq for _, _, seq in samples]
-        mask = self._constrain(samples) if self._grammars else None
-        params = [s.group.params for _, s, _ in samples]
-        return self.sampler.draw(logits.values, seqs, params, logits.argmax, mask), logits.values
-
-    # ---- structured output ------------------------------------------------
     def _tokenizer_info(self):
+        """For the grammar compiler, built on the first constrained request."""
         import transformers
         import xgrammar
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(self.config.tokenizer)
         return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.config.model_config.vocab_size,
                                                        stop_token_ids=sorted(self.eos_token_ids) or None)
-
-    def _constrain(self, samples: list[tuple[int, ScheduledSeq, Sequence]]) -> TokenMask | None:
-        """The mask of the constrained rows, synced to their sequences' tokens (a matcher whose count
-        differs, after preemption, a failed step, resume or a fork, is rebuilt from the tokens). A row whose
-        grammar allows nothing draws a placeholder (token 0), and ``_advance_grammars`` fails its choice."""
-        rows, matchers = [], []
-        for i, (_, s, seq) in enumerate(samples):
-            compiled = self._grammars.get(s.group.request_id)
-            if compiled is not None:
-                m = self.grammar.matcher(seq.seq_id, compiled)
-                if m.sync(seq.output_token_ids):
-                    rows.append(i)
-                    matchers.append(m)
-        if not rows:
-            return None
-        mask, dead = self.grammar.fill_mask(rows, matchers, self.config.model_config.vocab_size)
-        for i in dead:
-            matchers[rows.index(i)].consumed = -1
-        return mask
-
-    def _advance_grammars(self, samples: list[tuple[int, ScheduledSeq, Sequence]]) -> None:
-        """Feed each constrained choice its new token: a completed grammar stops it, a token the
-        grammar refuses (no token was allowed) ends it with an error."""
-        for _, s, seq in samples:
-            compiled = self._grammars.get(s.group.request_id)
-            if compiled is None:
-                continue
-            m = self.grammar.matcher(seq.seq_id, compiled)
-            if not seq.is_finished:
-                if m.consumed < 0 or not m.sync(seq.output_token_ids):
-                    self.scheduler.finish_seq(s.group, seq, SequenceStatus.FINISHED_ERROR)
-                elif m.terminated:
-                    self.scheduler.finish_seq(s.group, seq, SequenceStatus.FINISHED_STOPPED)
-            if seq.is_finished:
-                self.grammar.release(seq.seq_id)
-            if s.group.is_finished:
-                self._grammars.pop(s.group.request_id, None)
-
-    def _fail_scheduled(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
-        groups = {s.group.request_id: s.group for s in out.scheduled}
-        failed = self.scheduler.abort(list(groups))
-        for group in failed:
-            for seq in group.seqs:
-                if seq.status is SequenceStatus.FINISHED_ABORTED:
-                    seq.status = SequenceStatus.FINISHED_ERROR
-        return [self._final_output(g, SequenceStatus.FINISHED_ERROR, message) for g in failed]
-
-    # ---- outputs --------------------------------------------------------
-    def _step_output(self, group: SequenceGroup, now: float) -> RequestOutput:
-        m = group.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.last_token_time = now
-        completions = [self._delta(group, seq) for seq in group.seqs
-                       if len(seq.token_ids) - seq.num_prompt_tokens > seq.num_emitted_tokens]
-        return self._request_output(group, completions, None)
-
-    def _resumed_end_outputs(self) -> list[RequestOutput]:
-        """The finish reasons (no tokens) of resumed choices that had already ended."""
-        outputs = [self._request_output(group, [self._delta(group, seq) for seq in ended], None)
-                   for group, ended in self._resumed_ends.values()]
-        self._resumed_ends.clear()
-        return outputs
-
-    def _final_output(self, group: SequenceGroup, status: SequenceStatus, error: str | None = None) -> RequestOutput:
-        self._groups.pop(group.request_id, None)
-        completions = [self._delta(group, seq) for seq in group.seqs if seq.status is status]
-        return self._request_output(group, completions, error)
-
-    def _request_output(self, group: SequenceGroup, completions: list[CompletionOutput], error: str | None) -> RequestOutput:
-        # Positional arguments and no per-seq property calls: this runs for every group every step.
-        finished = group.is_finished
-        if finished:
-            group.metrics.finished_time = time.time()
-            self._groups.pop(group.request_id, None)
-        first = group.seqs[0]
-        prompt_logprobs = self._take_prompt_logprobs(group, finished) if self._prompt_logprobs else None
-        return RequestOutput(group.request_id, first.token_ids[:first.num_prompt_tokens], completions, finished,
-                             error, group.num_cached_tokens, group.metrics, None, prompt_logprobs)
-
-    def _take_prompt_logprobs(self, group: SequenceGroup, finished: bool) -> list[TokenLogprobs | None] | None:
-        """The request's prompt logprobs once complete, handed over once; a request that ends before they
-        are complete (aborted, failed) drops them."""
-        entries = self._prompt_logprobs.get(group.request_id)
-        if entries is None:
-            return None
-        complete = len(entries) == group.seqs[0].num_prompt_tokens
-        if complete or finished:
-            del self._prompt_logprobs[group.request_id]
-        return entries if complete else None
-
-    @staticmethod
-    def _delta(group: SequenceGroup, seq: Sequence) -> CompletionOutput:
-        start, seq.num_emitted_tokens = seq.num_emitted_tokens, len(seq.token_ids) - seq.num_prompt_tokens
-        wants_logprobs = group.params.logprobs is not None
-        return CompletionOutput(
-            seq.index, seq.token_ids[seq.num_prompt_tokens + start:], "",
-            seq.logprobs[start:] if wants_logprobs else None,
-            seq.cumulative_logprob if wants_logprobs or group.beam is not None else None,
-            seq.status.finish_reason)
 
     # ---- introspection --------------------------------------------------
     def prefix_cache_summary(self) -> tuple[int, set[bytes]]:
@@ -443,16 +205,22 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
-        stats.grammar_mask_seconds_total = self.grammar.mask_seconds
-        stats.grammar_mask_steps_total = self.grammar.mask_steps
-        stats.spec_decode_proposal_seconds_total = self._propose_seconds
-        stats.spec_decode_verification_seconds_total = self._verify_seconds
+        stats.grammar_mask_seconds_total = self.scheduler.grammar.mask_seconds
+        stats.grammar_mask_steps_total = self.scheduler.grammar.mask_steps
+        if self.speculator is not None:
+            stats.spec_decode_proposal_seconds_total = self.speculator.propose_seconds
+            stats.spec_decode_verification_seconds_total = self.speculator.verify_seconds
         return stats
 
     def kv_snapshot(self) -> KVSnapshot:
         """The KV pools block by block and the requests holding them, with ``stats()`` of the same
         moment (the dashboard's). Costs a few passes over the blocks: call it between steps, sparingly."""
         return self.scheduler.kv_snapshot(self.stats())
+
+
+def _speculates(out: SchedulerOutput) -> bool:
+    """Whether a request of ``out`` speculates: its next proposals read this step's tokens."""
+    return any(Speculation.eligible(s.group) for s in out.scheduled)
 
 
 def _new_seqs(prompt: list[int], resume: ResumeState | None) -> list[Sequence]:

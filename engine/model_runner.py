@@ -219,9 +219,10 @@ class ModelRunner:
             block_tables=_host_tensor(block_tables, torch.int32).view(len(scheduled), width),
             seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
-        return Batch(_host_tensor(input_ids, torch.int64), _host_tensor(positions, torch.int64), meta,
-                     _host_tensor(sample_rows, torch.int64), not argmax_only, _host_tensor(prompt_rows, torch.int64),
-                     _host_tensor(prompt_targets, torch.int64), prompt_k)
+        return Batch(input_ids=_host_tensor(input_ids, torch.int64), positions=_host_tensor(positions, torch.int64),
+                     meta=meta, sample_rows=_host_tensor(sample_rows, torch.int64), need_logits=not argmax_only,
+                     prompt_rows=_host_tensor(prompt_rows, torch.int64),
+                     prompt_targets=_host_tensor(prompt_targets, torch.int64), prompt_k=prompt_k)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

@@ -73,8 +73,10 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
                                          max_model_len=max_model_len, sliding_window=model_config.kv_window)
     decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
                      and tp.size == 1 and getattr(model, "graph_capturable", True))
-    resolved = ResolvedConfig(model_config, config.tokenizer or model_config.path, dtype, device, scheduler,
-                              config.show_progress, kv_dtype, token_bytes, draft_bytes, decode_graphs)
+    resolved = ResolvedConfig(model_config=model_config, tokenizer=config.tokenizer or model_config.path,
+                              dtype=dtype, device=device, scheduler=scheduler, show_progress=config.show_progress,
+                              kv_cache_dtype=kv_dtype, kv_bytes_per_token=token_bytes,
+                              draft_kv_bytes_per_token=draft_bytes, decode_graphs=decode_graphs)
     return resolved, model
 
 

@@ -7,18 +7,25 @@ import torch
 
 from cuda_ext import KernelOps, load_ops
 
+from engine.beam_search import TopTokens, top_tokens
+from engine.core.scheduler_output import SchedulerOutput, TokenMask
+from engine.model_runner import Logits, PromptLogprobs
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.structured_output import TokenMask
 
 _MASK64 = (1 << 63) - 1
 
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """Everything a step drew: a token (and its logprobs) per ``SchedulerOutput.samples()`` row, the best next
+    tokens of each ``beam_samples()`` row, and the prompt logprobs its prefill chunks computed."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    beam_tokens: TopTokens | None = None
+    prompt: PromptLogprobs | None = None
 
 
 class Sampler:
@@ -34,9 +41,41 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
+        self._eos = frozenset(eos_token_ids)
         self.generator = torch.Generator(device).manual_seed(seed)
         # row_argmax (the compiled one is ~10x torch's on CPU) and the grammar mask's ops; default the reference.
         self.ops = ops or load_ops("torch")
+
+    def sample(self, out: SchedulerOutput, logits: Logits | None) -> SamplerOutput:
+        """The step's draw (``draw_step`` then ``step_output``)."""
+        return self.step_output(out, logits, self.draw_step(out, logits))
+
+    def draw_step(self, out: SchedulerOutput, logits: Logits | None) -> torch.Tensor | None:
+        """The tokens of ``out.samples()``, still on the device (None: nothing to draw), with the step's grammar
+        mask (``out.token_mask``)."""
+        samples = out.samples()
+        if not samples:
+            return None
+        if len(samples) != len(logits):  # forks draw several tokens from one row
+            logits = logits.select([row for row, _, _ in samples])
+        seqs, params = [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples]
+        return self.draw(logits.values, seqs, params, logits.argmax, out.token_mask)
+
+    def step_output(self, out: SchedulerOutput, logits: Logits | None, tokens: torch.Tensor | None) -> SamplerOutput:
+        """``draw_step``'s tokens on the host, with their logprobs, the beam rows' best tokens and the prompt
+        logprobs."""
+        samples, beams = out.samples(), out.beam_samples()
+        if samples:
+            values = logits.values
+            if values is not None and len(samples) != len(logits):
+                values = values[[row for row, _, _ in samples]]
+            sampled = self.output(values, tokens, [s.group.params for _, s, _ in samples])
+        else:
+            sampled = SamplerOutput([], [])
+        if beams:
+            sampled.beam_tokens = top_tokens(logits.values, beams, self._eos)
+        sampled.prompt = logits.prompt if logits is not None else None
+        return sampled
 
     def __call__(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],
                  argmax: torch.Tensor | None = None, mask: TokenMask | None = None) -> SamplerOutput:
@@ -137,7 +176,7 @@ def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if not rows:
         return logits
     logits = logits.clone()
-    for i in rows:  # ids were checked against the vocabulary by LLMEngine._validate
+    for i in rows:  # ids were checked against the vocabulary by LLMEngine.add_request
         bias = params[i].logit_bias
         logits[i, list(bias)] += torch.tensor(list(bias.values()), device=logits.device)
     return logits

@@ -1,20 +1,18 @@
-"""Requests as the scheduler sees them: sequence groups of sequences."""
+"""Requests as the scheduler sees them: sequence groups of sequences.
+
+Core records only: a feature's per-request state (a beam search, a speculation pace, a grammar matcher) lives in
+that feature's own map, keyed by request or sequence id, never here."""
 from __future__ import annotations
 
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from engine.beam_search import BeamState
-    from engine.spec_decode.speculator import Backoff
-
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured-output grammar compiles (vLLM's WAITING_FOR_FSM)
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
@@ -53,10 +51,6 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already returned by LLMEngine.step
     seq_id: int = field(default_factory=_seq_ids.__next__)  # unique in the process: keys the KV block tables
-    # Speculative decoding: tokens proposed to follow token_ids, verified in the next step (the scheduler takes
-    # them), and the pace of this sequence's proposals (engine/spec_decode).
-    draft_token_ids: list[int] = field(default_factory=list)
-    backoff: Backoff | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +87,6 @@ class Sequence:
         """Recompute preemption: the K/V is dropped, tokens are kept."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.draft_token_ids = []
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,7 +133,6 @@ class SequenceGroup:
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)
-    beam: BeamState | None = None  # the search's state when params.use_beam_search (set by the scheduler)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

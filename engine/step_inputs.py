@@ -64,8 +64,10 @@ class StepLayout:
         t, s = self.tokens, self.seqs
         tokens = buffer[:self.int32_start].view(torch.int64).view(3, t)
         ints = buffer[self.int32_start:self.samples_start].view(torch.int32)
-        meta = AttentionMetadata(tokens[2], ints[2 * s + 1:2 * s + 1 + s * self.width].view(s, self.width),
-                                 ints[:s], ints[s:2 * s + 1], max_query_len, max_seq_len)
+        meta = AttentionMetadata(slot_mapping=tokens[2],
+                                 block_tables=ints[2 * s + 1:2 * s + 1 + s * self.width].view(s, self.width),
+                                 seq_lens=ints[:s], query_start_loc=ints[s:2 * s + 1], max_query_len=max_query_len,
+                                 max_seq_len=max_seq_len)
         return StepTensors(tokens[0], tokens[1], meta, buffer[self.samples_start:self.nbytes].view(torch.int64))
 
 

@@ -41,7 +41,8 @@ import jsonschema
 import torch
 
 from engine import LLM, SamplingParams
-from engine.structured_output import StructuredOutputManager, StructuredOutputParams
+from engine.core.grammar import StructuredOutputManager
+from engine.structured_output import StructuredOutputParams
 from loadtest import output_path
 from loadtest.bench_offline import MODELS, make_workload, pagedserve_config, timed, write_checkpoint
 
@@ -148,7 +149,7 @@ def compile_seconds(path: str) -> float:
     tokenizer = AutoTokenizer.from_pretrained(path)
     start = time.perf_counter()
     manager = StructuredOutputManager(lambda: xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB),
-                                      max_grammar_bytes=1 << 30)
+                                      max_grammar_bytes=1 << 30, vocab_size=VOCAB)
     manager.compile(StructuredOutputParams(json=json.dumps(SCHEMA))).result()
     return time.perf_counter() - start
 

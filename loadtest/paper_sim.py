@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.beam_search import TopTokens
+from engine.beam_search import TopTokens, num_kept
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
@@ -117,6 +117,7 @@ class Simulation:
     def __init__(self, config: EngineConfig, trace: list[TraceRequest], step_time_s: float, seed: int = 0,
                  track_sharing: bool = False) -> None:
         self.sched = Scheduler(SchedulerConfig.without_model(config))
+        self._groups: dict[str, SequenceGroup] = {}  # the requests in flight
         self.pending = deque(sorted(trace, key=lambda r: r.arrival))
         self.step_time_s = step_time_s
         self.now = 0.0
@@ -155,7 +156,8 @@ class Simulation:
                 params = SamplingParams(best_of=r.beam_width, use_beam_search=True, temperature=0.0,
                                         max_tokens=r.max_tokens, ignore_eos=True)
             seq = Sequence(list(r.prompt), len(r.prompt))
-            self.sched.add_group(SequenceGroup(f"r{seq.seq_id}", [seq], params, r.arrival))
+            group = self._groups[f"r{seq.seq_id}"] = SequenceGroup(f"r{seq.seq_id}", [seq], params, r.arrival)
+            self.sched.add_group(group)
 
     def _step(self) -> None:
         out = self.sched.schedule()
@@ -167,10 +169,11 @@ class Simulation:
         rows = None
         if beams:
             logprobs = torch.randn(beams, BEAM_VOCAB, generator=self._beam_rng).log_softmax(-1)
-            rows = TopTokens.of(logprobs, max(s.group.beam.num_kept for _, s in out.beam_samples()))
-        for group in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens)), rows):
-            if group.is_finished:
-                self._finished(group)
+            rows = TopTokens.of(logprobs, max(num_kept(s.group.params, self.sched.eos_token_ids)
+                                              for _, s in out.beam_samples()))
+        for output in self.sched.update_from_output(out, SamplerOutput(tokens, [None] * len(tokens), rows)):
+            if output.finished:
+                self._finished(self._groups.pop(output.request_id))
 
     def _finished(self, group: SequenceGroup) -> None:
         self._output_tokens += sum(s.num_output_tokens for s in group.seqs)

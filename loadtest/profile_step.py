@@ -13,7 +13,7 @@ times ``--steps`` decode steps. Per step, in ms:
 * attention: the other paged attention layers (K/V write + attention)
 * model other: the rest of the forward (embedding, fused norms, rotary, SiLU-and-mul, the layers' Python)
 * sampler, scheduler (``schedule`` + ``update_from_output``), prepare (the runner's input tensors)
-* other: the rest of ``LLMEngine.step`` (outputs, the runner's logits row pick, ...)
+* other: the rest of ``LLMEngine.step`` (the runner's logits row pick, ...); the outputs are built in ``update_from_output``
 
 On CUDA the timers synchronize after each part, so first ``--steps`` steps run untimed but for one
 synchronize at the end (``cuda``: wall ms per step, GPU ms per step from CUDA events around them), then
@@ -100,7 +100,7 @@ def instrument(engine: LLMEngine) -> StepTimers:
     # With tensor parallelism, rank 0's runner: the other ranks run the same plan on their shards meanwhile.
     runner = engine.runner.runner if isinstance(engine.runner, ModelExecutor) else engine.runner
     timers.wrap(runner, "_prepare", "prepare")
-    timers.wrap(engine, "_sample", "sampler")
+    timers.wrap(engine.sampler, "sample", "sampler")
     model = runner.model
     timers.wrap(model, "forward", "model")
     timers.wrap(model, "compute_logits", "model")

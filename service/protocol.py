@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from engine.context_length import ContextLengthError, fit_max_tokens
 from engine.field_specs import value_type
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
@@ -538,21 +539,13 @@ def _log_unknown(body: dict[str, Any], known: set[str]) -> None:
 
 
 def check_context(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> None:
-    """Fills in max_tokens and rejects prompt + max_tokens beyond the context."""
+    """Fills in max_tokens and rejects prompt + max_tokens beyond the context (``engine.context_length``'s rule)."""
     params = request.params
-    where = "messages" if request.chat else "prompt"
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"{where} has {num_prompt_tokens} tokens, leaving no room for the completion.",
-                       param=where, code="context_length_exceeded")
-    if params.max_tokens is None:
-        params.max_tokens = max_model_len - num_prompt_tokens
-    total = num_prompt_tokens + params.max_tokens
-    if total > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {total} tokens ({num_prompt_tokens} in the {where}, "
-                            f"{params.max_tokens} in the completion). Please reduce the length of the "
-                            f"{where} or the completion.", param="max_tokens", code="context_length_exceeded")
+    try:
+        params.max_tokens = fit_max_tokens(num_prompt_tokens, params.max_tokens, max_model_len,
+                                           "messages" if request.chat else "prompt")
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
     if params.min_tokens > params.max_tokens:
         raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the room left for the completion "
                             f"({params.max_tokens} tokens)", param="min_tokens")

@@ -138,5 +138,6 @@ class BlockPool:
         state[[b.block_id for b in self._cached.values() if not b.ref_count]] = CACHED
         empty = state == FREE  # a freed block keeps its last counts until reused
         filled[empty] = computed[empty] = 0
-        return PoolSnapshot(state, np.minimum(ref, 0xFFFF).astype(np.uint16), np.full(n, NO_OWNER, np.uint16),
-                            filled.astype(np.uint16), computed.astype(np.uint16))
+        return PoolSnapshot(state=state, ref_count=np.minimum(ref, 0xFFFF).astype(np.uint16),
+                            owner=np.full(n, NO_OWNER, np.uint16), filled=filled.astype(np.uint16),
+                            computed=computed.astype(np.uint16))

@@ -108,9 +108,9 @@ class KVCacheManager:
         for block in hits:
             self.device_pool.incref(block)
         num_cached = len(hits) * self.block_size
-        self.tables[seq_id] = BlockTable(
-            list(hits), [b.block_id for b in hits], salt, num_cached, num_cached, len(hits),
-            hits[-1].block_hash if hits else ROOT_HASH)
+        self.tables[seq_id] = BlockTable(blocks=list(hits), block_ids=[b.block_id for b in hits], salt=salt,
+                                         num_slots=num_cached, num_computed=num_cached, num_hashed=len(hits),
+                                         last_hash=hits[-1].block_hash if hits else ROOT_HASH)
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_cached
 
@@ -206,9 +206,10 @@ class KVCacheManager:
             raise ValueError("fork a running sequence only once its K/V is computed (between steps)")
         for block in parent.held():
             self.device_pool.incref(block)
-        self.tables[child_id] = BlockTable(
-            list(parent.blocks), list(parent.block_ids), parent.salt, parent.num_slots,
-            parent.num_computed, parent.num_hashed, parent.last_hash, num_released=parent.num_released)
+        self.tables[child_id] = BlockTable(blocks=list(parent.blocks), block_ids=list(parent.block_ids),
+                                           salt=parent.salt, num_slots=parent.num_slots,
+                                           num_computed=parent.num_computed, num_hashed=parent.num_hashed,
+                                           last_hash=parent.last_hash, num_released=parent.num_released)
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (no-op when it holds none)."""

@@ -44,16 +44,21 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from itertools import islice
 
-from engine import beam_search
 from engine.baselines import ContiguousKVCacheManager
+from engine.beam_search import BeamSearches, TopTokens
+from engine.core.grammar import StructuredOutputManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_snapshot import NO_OWNER, KVSnapshot, SnapshotRequest
+from engine.core.prompt_logprobs import PromptLogprobTracker
+from engine.core.request_output import request_output, with_new_tokens
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
+from engine.core.speculation import Speculation, SpecTarget
+from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stats import EngineStats
@@ -72,10 +77,8 @@ def _pending_forks(group: SequenceGroup) -> int:
     return group.params.num_seqs - len(group.seqs)
 
 
-def _attach_drafts(s: ScheduledSeq, room: int) -> None:
-    """Move the sequence's proposed tokens onto its decode, as many as ``room`` tokens of budget allow."""
-    seq = s.seq
-    drafts, seq.draft_token_ids = seq.draft_token_ids, []
+def _attach_drafts(s: ScheduledSeq, drafts: list[int], room: int) -> None:
+    """Put the sequence's proposed tokens on its decode, as many as ``room`` tokens of budget allow."""
     if s.do_sample and s.num_new_tokens == 1 and room > 0:
         s.draft_token_ids = tuple(drafts[:room])
         s.num_new_tokens += len(s.draft_token_ids)
@@ -107,16 +110,25 @@ def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (),
+                 grammar: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = make_kv_allocator(config)
+        # The request registry: every unfinished request (WAITING_FOR_GRAMMAR, then in one of the queues
+        # below), and the finished ones (or a resumed request's choices that ended on arrival) not reported yet.
+        self.requests: dict[str, SequenceGroup] = {}
+        self._unreported: list[tuple[SequenceGroup, list[Sequence], str | None]] = []  # (group, its ended, error)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: dict[str, SequenceGroup] = {}  # rank order; the last is the next victim
         self.swapped: deque[SequenceGroup] = deque()  # rank order
         self._arrivals = itertools.count()
         self.suspects: deque[SequenceGroup] = deque()  # of a failed batch, to run alone, oldest first
-        self._groups: dict[str, SequenceGroup] = {}  # every unfinished group
+        # The features' per-request state, each in its own map.
+        self.grammar = grammar
+        self.beams = BeamSearches(self.eos_token_ids, config.max_model_len)
+        self.speculation = Speculation(config.num_speculative_tokens, config.max_model_len)
+        self.prompt_logprobs = PromptLogprobTracker()
         self._num_running_seqs = 0
         self._num_pending_forks = 0  # seats running groups keep for their n samples
         self.num_preemptions = 0
@@ -124,34 +136,53 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self.num_prompt_tokens = 0  # of every group added
         self.num_generated_tokens = 0
-        # Speculative decoding: verifications (steps of a sequence with drafts), drafts verified, drafts accepted.
-        self.num_spec_drafts = 0
-        self.num_spec_draft_tokens = 0
-        self.num_spec_accepted_tokens = 0
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
-        """Queue a new request: one WAITING sequence, or a resumed one (``LLMEngine.add_request(resume=)``):
+        """Register a new request: one WAITING sequence, or a resumed one (``LLMEngine.add_request(resume=)``):
         its n choices with their output tokens, each WAITING or finished, as after a recompute preemption.
-        A resumed choice whose tokens already meet its stop condition finishes here; a group left with
-        nothing to run is not queued."""
+        A resumed choice whose tokens already meet its stop condition finishes here (reported with the next
+        outputs); a group left with nothing to run is not queued. A constrained request waits for its grammar."""
         self.check_new(group)
-        if group.params.use_beam_search:
-            group.beam = beam_search.BeamState.for_request(
-                group.params, group.seqs[0].num_prompt_tokens, self.eos_token_ids, self.config.max_model_len)
+        finished_before = [seq.is_finished for seq in group.seqs]
         for seq in group.seqs:
             if seq.status is WAITING and seq.num_output_tokens:
                 self._check_stop(group, seq, seq.token_ids[-1])
+        ended = [seq for seq, was in zip(group.seqs, finished_before) if seq.is_finished and not was]
+        if ended or group.is_finished:
+            self._unreported.append((group, ended, None))
         self.num_prompt_tokens += group.seqs[0].num_prompt_tokens
-        if not group.is_finished:
-            group.rank = (group.priority, next(self._arrivals))
-            self._groups[group.request_id] = group
+        if group.is_finished:
+            return
+        self.requests[group.request_id] = group
+        group.rank = (group.priority, next(self._arrivals))
+        if group.params.use_beam_search:
+            self.beams.start(group.request_id, group.params, group.seqs[0].num_prompt_tokens)
+        if wants_prompt_logprobs(group, group.seqs[0]):
+            self.prompt_logprobs.start(group.request_id)
+        if group.params.structured_output is None:
+            _insert(self.waiting, group)
+            return
+        for seq in group.seqs_with(WAITING):
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+        self.grammar.start(group)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready, in arrival order; fail those whose grammar failed."""
+        for group, error in self.grammar.ready():
+            if error is not None:
+                self._end(group, SequenceStatus.FINISHED_ERROR, f"structured_output: {error}")
+                continue
+            for seq in group.seqs_with(SequenceStatus.WAITING_FOR_GRAMMAR):
+                seq.status = WAITING
             _insert(self.waiting, group)
 
     def check_new(self, group: SequenceGroup) -> None:
         """ValueError when ``add_group`` would refuse ``group`` (the engine asks before a grammar compiles)."""
-        if group.request_id in self._groups:
-            raise ValueError(f"duplicate request id {group.request_id!r}")
+        if group.request_id in self.requests or any(g.request_id == group.request_id for g, _, _ in self._unreported):
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        if group.params.structured_output is not None and self.grammar is None:
+            raise ValueError("structured output needs a grammar manager (the engine's)")
         if group.params.num_seqs > 1 and self.config.kv_allocator != "paged":
             raise ValueError(f"a request of {group.params.num_seqs} sequences (n or beam width) shares KV "
                              f"blocks: it needs kv_allocator='paged', not {self.config.kv_allocator!r}")
@@ -164,19 +195,32 @@ class Scheduler:
         if not seqs[0].num_prompt_tokens:
             raise ValueError("the prompt must contain at least one token")
 
-    def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
-        """Abort groups in any state; their blocks return to the pools."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        aborted = []
-        for request_id in request_ids:
-            group = self._groups.get(request_id)
-            if group is None:
-                continue
-            for seq in group.unfinished_seqs():
-                self.finish_seq(group, seq, SequenceStatus.FINISHED_ABORTED)
-            aborted.append(group)
-        return aborted
+    def abort(self, request_ids: str | Iterable[str]) -> list[SequenceGroup]:
+        """Abort requests in any state; their blocks return to the pools, their ends come with the next outputs.
+        Returns the groups it ended."""
+        return self._end_requests([request_ids] if isinstance(request_ids, str) else request_ids,
+                           SequenceStatus.FINISHED_ABORTED, None)
+
+    def fail(self, request_ids: Iterable[str], error: str) -> None:
+        """Fail requests in any state (FINISHED_ERROR, with ``error``), as ``abort`` does."""
+        self._end_requests(request_ids, SequenceStatus.FINISHED_ERROR, error)
+
+    def _end_requests(self, request_ids: Iterable[str], status: SequenceStatus, error: str | None
+                      ) -> list[SequenceGroup]:
+        groups = [self.requests[i] for i in dict.fromkeys(request_ids) if i in self.requests]
+        for group in groups:
+            self._end(group, status, error)
+        return groups
+
+    def _end(self, group: SequenceGroup, status: SequenceStatus, error: str | None) -> None:
+        """Finish the group's unfinished sequences with ``status``; its one output to come says so (a resumed
+        choice's end found on arrival and not reported yet is superseded)."""
+        for seq in group.unfinished_seqs():
+            self.finish_seq(group, seq, status)
+        group.error = error
+        if self._unreported:
+            self._unreported = [u for u in self._unreported if u[0] is not group]
+        self._unreported.append((group, group.seqs_with(status), error))
 
     def finish_seq(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
         if not status.finished:
@@ -191,7 +235,11 @@ class Scheduler:
             self._remove(group)
 
     def _remove(self, group: SequenceGroup) -> None:
-        self._groups.pop(group.request_id, None)
+        """A finished group leaves the registry, its queue and the features' maps."""
+        self.requests.pop(group.request_id, None)
+        self.beams.forget(group.request_id)
+        if self.grammar is not None:
+            self.grammar.forget(group)
         if self.suspects and group in self.suspects:
             self.suspects.remove(group)
         if self.running.pop(group.request_id, None) is not None:
@@ -202,13 +250,27 @@ class Scheduler:
                     queue.remove(group)
 
     # -- the step ------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. ``drafts``: tokens proposed to follow running sequences (by seq_id), for their decodes
+        to verify (speculative decoding, ``speculation_targets``); dropped where the budget or memory is short."""
+        if self.grammar is not None and self.grammar.compiling:
+            self._admit_compiled()
         out = SchedulerOutput()
         while self.suspects and self._caught_up(self.suspects[0]):
             self.suspects.popleft()  # its solo steps succeeded: back to normal batching
         if self.suspects:
             self._schedule_suspect(out)
-            return out
+        else:
+            self._schedule_batch(out, drafts or {})
+        if self.grammar is not None and self.grammar.active and out.scheduled:
+            out.token_mask = self.grammar.mask(out.samples())
+        return out
+
+    def speculation_targets(self) -> list[SpecTarget]:
+        """The running sequences to propose tokens for this step, and how many each."""
+        return self.speculation.targets(self.running.values()) if self.speculation.k else []
+
+    def _schedule_batch(self, out: SchedulerOutput, drafts: Mapping[int, list[int]]) -> None:
         self._preempt_for_priority(out)
         by_priority = len(out.preempted)
         # A step that admits a request of higher priority leaves the lower-priority groups out: its first
@@ -216,14 +278,13 @@ class Scheduler:
         head = self.waiting[0] if self._priority_preemption_possible() else None
         running = list(self.running.values())
         cut = len(running) if head is None else next(i for i, g in enumerate(running) if g.priority > head.priority)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, running[:cut])
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, running[:cut], drafts)
         if len(out.preempted) == by_priority:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped or self._waiting_outranks_swapped():
                 budget = self._schedule_waiting(out, budget)
         if head is not None and head.request_id not in self.running:
-            self._schedule_running(out, budget, running[cut:])
-        return out
+            self._schedule_running(out, budget, running[cut:], drafts)
 
     def _waiting_outranks_swapped(self) -> bool:
         return bool(self.waiting) and bool(self.swapped) and self.waiting[0].priority < self.swapped[0].priority
@@ -244,18 +305,34 @@ class Scheduler:
                 return
             self._preempt(next(reversed(self.running.values())), out)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput,
-                           beam_tokens: beam_search.TopTokens | None = None) -> list[SequenceGroup]:
-        """After the forward pass of ``out``, with one sampled token per ``out.samples()`` and the best
-        next tokens of each ``out.beam_samples()`` row (``beam_search.top_tokens``): record the K/V,
-        fork the n > 1 groups whose prompt is in, append the tokens, finish (and free) the sequences
-        that stop, advance the beam searches. Returns the groups that got tokens (a beam search: once
-        it is over), in schedule order."""
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        """The one post-step, after the forward pass of ``out`` and the sampler's draw: record the prompt
+        logprobs, verify the drafts, record the K/V (fork the n > 1 groups whose prompt is in), append the
+        tokens, step the beam searches, feed the grammars, finish (and free) the sequences that stop. Returns
+        the outputs: the requests that ended since the last step (aborted, failed), then those that got
+        tokens (a beam search: once it is over), in schedule order."""
+        now = time.time()
+        for s in out.scheduled:
+            s.group.metrics.first_scheduled_time = s.group.metrics.first_scheduled_time or now
+        if sampled.prompt is not None:
+            self.prompt_logprobs.record(out, sampled.prompt)  # first: the positions are read off the seqs' tokens
         samples = out.samples()
         if out.num_draft_tokens:
-            self._verify(samples, sampled.token_ids)
+            self.speculation.verify(samples, sampled.token_ids, self.kv)
         self.mark_computed(out)
-        groups: dict[SequenceGroup, None] = {}  # an ordered set
+        groups = self._append_tokens(samples, sampled)
+        if out.beam_samples():
+            self._step_beams(out.beam_samples(), sampled.beam_tokens, groups)
+        if self.grammar is not None and self.grammar.active:
+            for group, seq, status in self.grammar.verdicts(samples):
+                self.finish_seq(group, seq, status)
+        return self.take_unreported() + [self._step_output(group, now) for group in groups]
+
+    def _append_tokens(self, samples: list[tuple[int, ScheduledSeq, Sequence]], sampled: SamplerOutput
+                       ) -> dict[SequenceGroup, None]:
+        """Each running sequence's new token (a verification: its accepted drafts and the target's token);
+        the groups that got tokens, an ordered set."""
+        groups: dict[SequenceGroup, None] = {}
         for (_, s, seq), token, logprobs in zip(samples, sampled.token_ids, sampled.logprobs, strict=True):
             if s.draft_token_ids:  # a verification: its first 1 + num_accepted tokens are the sequence's
                 if seq is not s.seq and len(seq.drafts) > s.num_accepted:
@@ -266,72 +343,48 @@ class Scheduler:
                 self._check_stop(s.group, seq, token)
                 groups[s.group] = None
                 self.num_generated_tokens += 1
-        if out.beam_samples():
-            self._record_beams(out.beam_samples(), beam_tokens, groups)
-        return list(groups)
+        return groups
 
-    def _verify(self, samples: list[tuple[int, ScheduledSeq, Sequence]], tokens: list[int]) -> None:
-        """Each verification keeps its drafts up to the first one the target's own token at that position
-        differs from (that token replaces it; all accepted, the last row's token is a bonus); the rejected
-        drafts' slots are given back."""
-        i = 0
-        while i < len(samples):
-            s = samples[i][1]
-            drafts = s.draft_token_ids
-            if not drafts:
-                i += 1
+    def _step_beams(self, samples: list[tuple[int, ScheduledSeq]], tokens: TopTokens,
+                    groups: dict[SequenceGroup, None]) -> None:
+        """Record the candidates' best tokens; each search whose candidates all have theirs takes its step
+        (forks and drops candidates; once it is over, its best hypotheses become its sequences)."""
+        for s in self.beams.record(samples, tokens):
+            group, cands = s.group, s.group.seqs
+            step = self.beams.step(self.kv, group.request_id, cands, group.prompt_token_ids, group.params.n)
+            self.num_generated_tokens += len(cands)
+            self._drop_candidates(step.dropped)  # their blocks' ref counts drop at once; those only they held are free
+            if step.final is None:
+                self._num_running_seqs += len(step.cands) - len(cands)
+                self._num_pending_forks += len(cands) - len(step.cands)
+                group.seqs = step.cands
                 continue
-            accepted = 0
-            while accepted < len(drafts) and tokens[i + accepted] == drafts[accepted]:
-                accepted += 1
-            s.num_accepted = accepted
-            if s.seq.status is RUNNING:
-                self.kv.truncate(s.seq.seq_id, s.start + 1 + accepted)
-            self.num_spec_drafts += 1
-            self.num_spec_draft_tokens += len(drafts)
-            self.num_spec_accepted_tokens += accepted
-            i += len(drafts) + 1
-
-    def _record_beams(self, samples: list[tuple[int, ScheduledSeq]], tokens: beam_search.TopTokens,
-                      groups: dict[SequenceGroup, None]) -> None:
-        """Keep each candidate's best tokens; a search whose candidates all have theirs takes its step."""
-        if len(samples) != len(tokens.logprobs):
-            raise ValueError(f"{len(samples)} beam candidates sampled, {len(tokens.logprobs)} rows of tokens")
-        touched: dict[SequenceGroup, None] = {}
-        for i, (_, s) in enumerate(samples):
-            if s.seq.status is RUNNING:
-                s.group.beam.pending[s.seq.seq_id] = tokens.row(i)
-                touched[s.group] = None
-        for group in touched:
-            if all(seq.seq_id in group.beam.pending for seq in group.seqs):
-                self._beam_step(group)
-                if group.is_finished:
-                    groups[group] = None
-
-    def _beam_step(self, group: SequenceGroup) -> None:
-        state, cands = group.beam, group.seqs
-        running = beam_search.select(state, cands, [state.pending.pop(seq.seq_id) for seq in cands])
-        self.num_generated_tokens += len(cands)
-        if state.done:
-            self._finish_beam(group)
-            return
-        nxt, dropped = beam_search.advance(self.kv, cands, running)
-        self._drop_candidates(dropped)  # their blocks' ref counts drop at once; those only they held are free
-        self._num_running_seqs += len(nxt) - len(cands)
-        self._num_pending_forks += len(cands) - len(nxt)
-        group.seqs = nxt
-
-    def _finish_beam(self, group: SequenceGroup) -> None:
-        """The search is over: free the candidates, the group's sequences become its best hypotheses."""
-        self._drop_candidates(group.seqs)
-        self._num_running_seqs -= len(group.seqs)
-        self._remove(group)
-        group.seqs = beam_search.final_sequences(group.beam, group.prompt_token_ids, group.params.n)
+            self._num_running_seqs -= len(cands)
+            self._remove(group)
+            group.seqs = step.final
+            groups[group] = None
 
     def _drop_candidates(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self.kv.free(seq.seq_id)
             seq.status = SequenceStatus.FINISHED_ABORTED
+
+    def take_unreported(self) -> list[RequestOutput]:
+        """The outputs of the requests (or resumed choices) that ended outside a step's tokens, once."""
+        if not self._unreported:
+            return []
+        items, self._unreported = self._unreported, []
+        return [request_output(group, seqs, error, self._prompt_logprobs(group)) for group, seqs, error in items]
+
+    def _step_output(self, group: SequenceGroup, now: float) -> RequestOutput:
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        return request_output(group, with_new_tokens(group), None, self._prompt_logprobs(group))
+
+    def _prompt_logprobs(self, group: SequenceGroup) -> list[TokenLogprobs | None] | None:
+        return self.prompt_logprobs.take(group) if self.prompt_logprobs else None
 
     def mark_computed(self, out: SchedulerOutput, register: bool = True) -> None:
         """The forward pass wrote K/V for every scheduled token; then the forks share it. Async scheduling
@@ -368,7 +421,8 @@ class Scheduler:
               or (max_len is not None and num_tokens >= max_len)):
             self.finish_seq(group, seq, SequenceStatus.FINISHED_LENGTH)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, groups: list[SequenceGroup]) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, groups: list[SequenceGroup],
+                          drafts: Mapping[int, list[int]]) -> int:
         """Each of ``groups`` (running, in rank order) that the budget and memory allow; the budget left."""
         kv = self.kv
         roomy = kv.fits_without_counting(budget, self._num_running_seqs)  # then every group fits: check none
@@ -376,7 +430,7 @@ class Scheduler:
             if budget <= 0 or group.request_id not in self.running:
                 break  # a preempted victim: every later group went before it
             seqs = group.seqs if len(group.seqs) == 1 else group.seqs_with(RUNNING)
-            plan, num_tokens = self._plan(group, seqs, budget)
+            plan, num_tokens = self._plan(group, seqs, budget, drafts)
             if not plan:
                 continue
             if not roomy and not kv.fits_without_counting(num_tokens, len(plan)):  # tight: count exactly
@@ -539,7 +593,8 @@ class Scheduler:
             num_new = self._chunk(seq.num_tokens - start, left)
             admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
             if num_new:
-                plan.append(ScheduledSeq(group, seq, start, num_new, start + num_new == seq.num_tokens))
+                plan.append(ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
+                                         do_sample=start + num_new == seq.num_tokens))
             left -= num_new
         return admissions, plan, left
 
@@ -553,7 +608,8 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, group: SequenceGroup, seqs: list[Sequence], budget: int) -> tuple[list[ScheduledSeq], int]:
+    def _plan(self, group: SequenceGroup, seqs: list[Sequence], budget: int,
+              drafts: Mapping[int, list[int]] = {}) -> tuple[list[ScheduledSeq], int]:
         """The leading ``seqs``' shares of ``budget`` (block tables come with ``_commit``), and their sum."""
         plan = []
         total = 0
@@ -565,9 +621,10 @@ class Scheduler:
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
             if num_new <= 0:
                 break
-            s = ScheduledSeq(group, seq, start, num_new, start + num_new == len(seq.token_ids))
-            if seq.draft_token_ids:
-                _attach_drafts(s, budget - total - num_new)
+            s = ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
+                             do_sample=start + num_new == len(seq.token_ids))
+            if drafts and (proposed := drafts.get(seq.seq_id)):
+                _attach_drafts(s, proposed, budget - total - num_new)
             plan.append(s)
             total += s.num_new_tokens
         return plan, total
@@ -593,7 +650,7 @@ class Scheduler:
             s.block_table = kv.block_ids(seq_id)
         out.scheduled += plan
         # n > 1: fork once the (one) prompt is in. No group has forks pending in a steady decode.
-        if (self._num_pending_forks and group.beam is None and len(group.seqs) < group.params.n
+        if (self._num_pending_forks and not group.params.use_beam_search and len(group.seqs) < group.params.n
                 and plan[-1].do_sample):
             parent = plan[-1]
             parent.forks = tuple(parent.seq.fork(index) for index in range(len(group.seqs), group.params.n))
@@ -604,8 +661,6 @@ class Scheduler:
         self._num_running_seqs -= len(seqs)
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
-        for seq in seqs:
-            seq.draft_token_ids = []  # proposed for a step it is not in
         swap = not recompute and self.config.preemption_mode == "swap"
         if swap and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
             mapping = self.kv.swap_out(seq_ids)
@@ -618,8 +673,8 @@ class Scheduler:
             for seq in seqs:
                 self.kv.free(seq.seq_id)
                 seq.reset_for_recompute()
-            if group.beam is not None:
-                group.beam.pending.clear()  # the rows come again with the recomputed K/V
+            if group.params.use_beam_search:
+                self.beams.recomputing(group.request_id)
             _insert(self.waiting, group)  # ahead of every later arrival of its priority
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -652,8 +707,6 @@ class Scheduler:
         cfg = self.config
         seqs = group.unfinished_seqs()
         longest = max(s.num_tokens for s in seqs)
-        if cfg.max_model_len is not None and longest > cfg.max_model_len:
-            return f"{longest} tokens exceed max_model_len={cfg.max_model_len}"
         if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
             return (f"prompt of {longest} tokens exceeds max_num_batched_tokens={cfg.max_num_batched_tokens} "
                     "and chunked prefill is disabled")
@@ -672,16 +725,13 @@ class Scheduler:
         return SeqSize(seq.num_tokens, seq.num_prompt_tokens, max_len)
 
     def _fail(self, group: SequenceGroup, error: str, out: SchedulerOutput) -> None:
-        group.error = error
-        for seq in group.unfinished_seqs():
-            self.kv.free(seq.seq_id)
-            seq.status = SequenceStatus.FINISHED_ERROR
-        self._groups.pop(group.request_id, None)
+        self._end(group, SequenceStatus.FINISHED_ERROR, error)
         out.failed.append(group)
 
     # -- introspection -------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        """Whether a request is registered: unfinished, or finished and not reported yet."""
+        return bool(self.requests) or bool(self._unreported)
 
     def stats(self) -> EngineStats:
         """The scheduler's and its KV allocator's figures."""
@@ -700,12 +750,15 @@ class Scheduler:
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
             num_window_released_blocks_total=kv.num_window_released_blocks,
-            spec_decode_num_drafts_total=self.num_spec_drafts,
-            spec_decode_num_draft_tokens_total=self.num_spec_draft_tokens,
-            spec_decode_num_accepted_tokens_total=self.num_spec_accepted_tokens,
-            spec_decode_acceptance_rate=self.num_spec_accepted_tokens / max(self.num_spec_draft_tokens, 1),
-            spec_decode_mean_accepted_length=(1 + self.num_spec_accepted_tokens / self.num_spec_drafts
-                                              if self.num_spec_drafts else 0.0))
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, float]:
+        spec = self.speculation
+        drafts, tokens, accepted = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+        return dict(spec_decode_num_drafts_total=drafts, spec_decode_num_draft_tokens_total=tokens,
+                    spec_decode_num_accepted_tokens_total=accepted,
+                    spec_decode_acceptance_rate=accepted / max(tokens, 1),
+                    spec_decode_mean_accepted_length=1 + accepted / drafts if drafts else 0.0)
 
     def kv_snapshot(self, stats: EngineStats) -> KVSnapshot:
         """The KV pools block by block, the requests holding blocks (running, swapped) and the first
@@ -716,7 +769,8 @@ class Scheduler:
         pools = self.kv.snapshot(seq_ids)
         requests = [SnapshotRequest(g.request_id, state, len(ids), blocks)
                     for (g, state), ids, blocks in zip(listed, seq_ids, pools.blocks)]
-        return KVSnapshot(time.time(), self.kv.block_size, pools.device, pools.cpu, requests, stats)
+        return KVSnapshot(time=time.time(), block_size=self.kv.block_size, device=pools.device, cpu=pools.cpu,
+                          requests=requests, stats=stats)
 
 
 def _insert(queue: deque[SequenceGroup], group: SequenceGroup) -> None:

@@ -20,12 +20,16 @@ class SchedulerConfig:
     kv_allocator: KVAllocatorName
     # The model's: no layer sees keys further back (0: some layer sees all), so blocks behind it are freed.
     sliding_window: int
+    num_speculative_tokens: int = 0  # the most proposed tokens a decode verifies (0: no speculation)
 
     @classmethod
     def resolved(cls, config: EngineConfig, **values: int) -> SchedulerConfig:
         """``config``'s scheduling fields, with the resolved ``values`` in place of its own (and of the
         model's, which ``config`` lacks)."""
-        return cls(**({f.name: getattr(config, f.name) for f in fields(cls) if f.name not in values} | values))
+        spec = config.speculative_config
+        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in values}
+        own["num_speculative_tokens"] = spec.num_speculative_tokens if spec is not None else 0
+        return cls(**(own | values))
 
     @classmethod
     def without_model(cls, config: EngineConfig) -> SchedulerConfig:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.sequence import DraftView, Sequence, SequenceGroup
 
 
@@ -50,6 +52,16 @@ def wants_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
 
 
 @dataclass(slots=True)
+class TokenMask:
+    """A step's constrained logits rows and their allowed tokens: xgrammar's int32 bitmask, a row each (bit
+    ``j % 32`` of word ``j // 32`` set when token ``j`` is allowed). The sampler applies it (cuda_ext's
+    ``masked_row_argmax`` / ``apply_token_bitmask``)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     # (src, dst) device block ids; copy-on-write copies, one block each.
@@ -63,6 +75,8 @@ class SchedulerOutput:
     # they can never run (too long for max_model_len, the token budget or the pool).
     failed: list[SequenceGroup] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed tokens the step verifies (speculative decoding)
+    # The constrained rows' allowed tokens (structured output), set once scheduling is over; read by the sampler.
+    token_mask: TokenMask | None = None
     # samples() and beam_samples(), built once: the engine (to sample) and update_from_output (to record)
     # both walk them.
     _samples: list[tuple[int, ScheduledSeq, Sequence]] | None = field(default=None, repr=False)
@@ -79,7 +93,7 @@ class SchedulerOutput:
             for s in self.scheduled:
                 if not s.do_sample:
                     continue
-                if s.group.beam is not None:
+                if s.group.params.use_beam_search:
                     self._beam_samples.append((row, s))
                 elif s.draft_token_ids:
                     drafts = s.draft_token_ids

@@ -65,7 +65,8 @@ def _decode(h: list[int], payload: torch.Tensor) -> StepPlan:
     batch = None
     if has_batch:
         ids, positions, slots, tables, seq_lens, qsl, sample_rows, prompt_row_ids = parts[3:]
-        meta = AttentionMetadata(slots, tables.view(seqs, width).to(torch.int32), seq_lens.to(torch.int32),
-                                 qsl.to(torch.int32), max_query_len, max_seq_len)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(seqs, width).to(torch.int32),
+                                 seq_lens=seq_lens.to(torch.int32), query_start_loc=qsl.to(torch.int32),
+                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
         batch = Batch(ids, positions, meta, sample_rows, prompt_rows=prompt_row_ids)  # targets: rank 0's only
     return StepPlan(swap_out, swap_in, copies, batch)

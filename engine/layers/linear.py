@@ -114,7 +114,8 @@ class ColumnParallelLinear(Linear):
         i = part or 0
         size = self.local_sizes[i]
         start = self.tp.rank * self.part_splits[i] // self.tp.size * size
-        return Shard(0, size * self.part_splits[i], start, size, sum(self.local_sizes[:i]))
+        return Shard(dim=0, total=size * self.part_splits[i], start=start, size=size,
+                     dest_start=sum(self.local_sizes[:i]))
 
     def fused_checkpoint_shards(self, param: str) -> list[Shard] | None:
         """This rank's slice of each part of a checkpoint tensor that stores the parts already stacked (Phi-3's

@@ -51,7 +51,8 @@ def rope_config(hf: dict, head_dim: int, max_position: int, aliases: dict[str, s
     original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
     if rope_type == "longrope":
         _check_longrope_factors(key, params, rotary_dim)
-    return RopeConfig(theta, rotary_dim, max_position, original or max_position, rope_type, params)
+    return RopeConfig(theta=theta, rotary_dim=rotary_dim, max_position=max_position,
+                      original_max_position=original or max_position, rope_type=rope_type, params=params)
 
 
 def _check_longrope_factors(key: str, params: dict, rotary_dim: int) -> None:

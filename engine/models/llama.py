@@ -142,13 +142,13 @@ class LlamaDecoderLayer(nn.Module):
         norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
         quantized = [t for p in packed for t in (p.scale, p.col_offset)] if w8a8 else []
         self.fused = FusedLayer(
-            ops.llama_decoder_layer,
-            [self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight, gate_up.packed,
-             down.packed],
-            [qkv.bias, o.bias, gate_up.bias, down.bias, *norms, *quantized],
-            [attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
-             gate_up.out_features, down.out_features],
-            attn.attn, self.input_layernorm.eps)
+            op=ops.llama_decoder_layer,
+            weights=[self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight,
+                     gate_up.packed, down.packed],
+            optional=[qkv.bias, o.bias, gate_up.bias, down.bias, *norms, *quantized],
+            sizes=[attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
+                   gate_up.out_features, down.out_features],
+            attn=attn.attn, eps=self.input_layernorm.eps)
 
 
 class LlamaModel(nn.Module):

@@ -70,7 +70,8 @@ class FusedExperts(nn.Module):
             raise ValueError(f"checkpoint holds expert {expert}; config.json gives {self.w13.shape[0]} experts")
         start = self.tp.rank * self.local
         if param == "w13":
-            return Shard(0, self.local * self.tp.size, start, self.local, index * self.local, select=expert)
+            return Shard(dim=0, total=self.local * self.tp.size, start=start, size=self.local,
+                         dest_start=index * self.local, select=expert)
         return Shard(1, self.local * self.tp.size, start, self.local, select=expert)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,6 @@ class DraftModelProposer:
         self._group = SequenceGroup("draft", [], SamplingParams(temperature=0.0), 0.0)  # greedy: argmax rows only
 
     def propose(self, seqs: list[Sequence], ks: list[int], salts: list[bytes | None]) -> list[list[int]]:
-        self.release_inactive()
         live, free = [], self.kv.num_free_blocks
         for i, seq in enumerate(seqs):
             need = self._follow(seq, ks[i], salts[i])
@@ -79,10 +78,12 @@ class DraftModelProposer:
                 # Nothing new since the last proposal (the target did not run it): the last token again.
                 start = min(self.kv.tables[seq.seq_id].num_computed, seq.num_tokens - 1)
                 self.kv.append(seq.seq_id, seq.num_tokens - start)
-                s = ScheduledSeq(self._group, view, start, seq.num_tokens - start, True)
+                s = ScheduledSeq(group=self._group, seq=view, start=start, num_new_tokens=seq.num_tokens - start,
+                                 do_sample=True)
             else:  # slots past the final tokens, given back after the proposal
                 self.kv.append(seq.seq_id, step)
-                s = ScheduledSeq(self._group, view, seq.num_tokens + step - 1, 1, True)
+                s = ScheduledSeq(group=self._group, seq=view, start=seq.num_tokens + step - 1, num_new_tokens=1,
+                                 do_sample=True)
             s.block_table = self.kv.block_ids(seq.seq_id)
             out.scheduled.append(s)
         logits = self.runner.execute(out)

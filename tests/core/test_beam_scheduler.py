@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.beam_search import TopTokens
+from engine.beam_search import TopTokens, num_kept
 from engine.core.scheduler import _pending_forks
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceGroup, SequenceStatus
@@ -54,9 +54,11 @@ def test_beam_groups_keep_their_tokens(scenario):
     while sched.has_unfinished():
         out = sched.schedule()
         memory.execute(out, sched.config.block_size)
-        k = max((s.group.beam.num_kept for _, s in out.beam_samples()), default=1)
-        rows = TopTokens.of(torch.randn(len(out.beam_samples()), VOCAB, generator=gen).log_softmax(-1), k)
-        sched.update_from_output(out, sample(out), rows)
+        k = max((num_kept(s.group.params, sched.eos_token_ids) for _, s in out.beam_samples()), default=1)
+        sampled = sample(out)
+        logprobs = torch.randn(len(out.beam_samples()), VOCAB, generator=gen).log_softmax(-1)
+        sampled.beam_tokens = TopTokens.of(logprobs, k)
+        sched.update_from_output(out, sampled)
         check_invariants(sched, memory)
         steps += 1
         if steps == 9:

@@ -55,8 +55,8 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     assert _shape(run_step(sched)) == [("a", 6, 1, True), ("b", 0, 6, True)]
 
 
+# The context length is the edges' rule (engine.context_length): the scheduler trusts it.
 @pytest.mark.parametrize("overrides, prompt_len, reason", [
-    (dict(max_model_len=8), 9, "max_model_len=8"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=8), 9, "chunked prefill is disabled"),
     (dict(num_device_blocks=2), 17, "needs 3 KV blocks"),
 ])
@@ -175,6 +175,7 @@ def test_abort_frees_every_block_in_every_state():
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for g in aborted for s in g.seqs)
     stats = sched.stats()
     assert stats.num_blocks_used == 0 and stats.num_cpu_blocks_used == 0
+    assert [o.request_id for o in sched.take_unreported()] == ["f", "r0", "r1", "w"]  # reported once
     assert not sched.has_unfinished() and (len(sched.running), len(sched.waiting), len(sched.swapped)) == (0, 0, 0)
     check_kv_invariants(sched.kv)
     assert sched.schedule().is_empty
@@ -185,7 +186,9 @@ def test_abort_between_schedule_and_update_is_safe():
     sched.add_group(make_group("a", [1, 2, 3], n=2))
     out = sched.schedule()
     sched.abort("a")
-    assert sched.update_from_output(out, sample(out)) == []
+    outputs = sched.update_from_output(out, sample(out))  # the abort's output alone: no token was appended
+    assert [(o.request_id, o.finished, [(c.token_ids, c.finish_reason) for c in o.outputs]) for o in outputs] == [
+        ("a", True, [([], "abort")])]
     assert sched.stats().num_blocks_used == 0 and not sched.has_unfinished()
 
 

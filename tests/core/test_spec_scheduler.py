@@ -17,8 +17,7 @@ def _started(sched, *prompts: list[int]) -> list:
 def test_drafts_share_the_budget_and_only_accepted_ones_stay():
     sched = make_scheduler(max_num_batched_tokens=8, block_size=8)
     a, b = _started(sched, [1, 2, 3], [4, 5, 6])
-    a.draft_token_ids, b.draft_token_ids = [10, 11, 12, 13, 14], [20, 21, 22]
-    out = sched.schedule()
+    out = sched.schedule({a.seq_id: [10, 11, 12, 13, 14], b.seq_id: [20, 21, 22]})
     assert [(s.num_new_tokens, s.draft_token_ids) for s in out.scheduled] == [(6, (10, 11, 12, 13, 14)), (2, (20,))]
     # a: the target agrees on two drafts, then says 99; b: disagrees at once.
     tokens = [10, 11, 99, 0, 0, 0] + [30, 0]
@@ -38,18 +37,15 @@ def test_drafts_share_the_budget_and_only_accepted_ones_stay():
 def test_drafts_are_dropped_before_anyone_is_preempted():
     sched = make_scheduler(num_device_blocks=2, block_size=8)
     a, b = _started(sched, [1, 2, 3, 4, 5, 6], [3, 4, 5, 6, 7, 8])
-    a.draft_token_ids = [10, 11, 12, 13]  # would need a second block for a: none is free
-    out = sched.schedule()
+    out = sched.schedule({a.seq_id: [10, 11, 12, 13]})  # would need a second block for a: none is free
     assert not out.preempted and [(s.num_new_tokens, s.draft_token_ids) for s in out.scheduled] == [(1, ()), (1, ())]
-    assert a.draft_token_ids == []
 
 
 def test_a_stop_among_accepted_tokens_ends_the_sequence_there():
     sched = make_scheduler(block_size=8)
     (a,) = _started(sched, [1, 2, 3])
-    a.draft_token_ids = [10, 11, 12]
     sched.running["0"].params.stop_token_ids = [11]
-    out = sched.schedule()
+    out = sched.schedule({a.seq_id: [10, 11, 12]})
     sched.update_from_output(out, SamplerOutput([10, 11, 12, 13], [None] * 4))
     assert a.output_token_ids[-2:] == [10, 11] and a.is_finished
     assert sched.kv.num_free_blocks == sched.kv.num_blocks

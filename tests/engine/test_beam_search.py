@@ -152,14 +152,14 @@ def test_block_tree_and_abort(beam_checkpoint):
             assert len(set(ids)) == _expected_blocks(group, 8)
             forked += len(set(ids)) < len(ids)
         if step == 4:  # abort one search mid-way: its candidates' blocks go at once
-            victim = sched._groups["1"]
+            victim = sched.requests["1"]
             engine.abort_request("1")
             assert all(seq.seq_id not in kv.tables for seq in victim.seqs)
             live = {b for g in sched.running.values() for s in g.seqs for b in kv.block_ids(s.seq_id)}
             assert kv.num_free_blocks == kv.num_blocks - len(live)
     assert forked  # candidates did share blocks
     assert not engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
-    assert all(s.status is not SequenceStatus.RUNNING for g in sched._groups.values() for s in g.seqs)
+    assert all(s.status is not SequenceStatus.RUNNING for g in sched.requests.values() for s in g.seqs)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -43,8 +43,8 @@ def run_to_end(engine: LLMEngine) -> list:
     ([], 4, "empty"),
     ([1, 2, 300], 4, r"\[0, 300\)"),
     ([-1], 4, r"\[0, 300\)"),
-    ([1] * 120, 10, r"max_model_len\) is 128 tokens; the prompt has 120 tokens and 10 more"),
-    ([1] * 128, None, "max_model_len"),
+    ([1] * 120, 10, r"maximum context length is 128 tokens. However, you requested 130 tokens"),
+    ([1] * 128, None, "leaving no room for the completion"),
 ])
 def test_add_request_rejects_bad_input(llama_checkpoint, prompt, max_tokens, match):
     engine = make_engine(llama_checkpoint.path)
@@ -300,7 +300,7 @@ def test_missing_weight(broken_copy):
 def test_generate_is_all_or_nothing(llama_checkpoint):
     llm = LLM(llama_checkpoint.path, skip_tokenizer_init=True, attention_backend="torch", num_device_blocks=64,
               max_model_len=128, show_progress=False)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
         llm.generate(prompt_token_ids=[[1, 2], [1] * 200], sampling_params=SamplingParams(max_tokens=4))
     llm.engine.step()  # emits the aborts
     assert not llm.engine.has_unfinished_requests()

@@ -51,7 +51,7 @@ def check_against_tables(snap: KVSnapshot, engine: LLMEngine) -> None:
         assert (pool.owner[~held(pool)] == NO_OWNER).all()
     for index, request in enumerate(snap.requests):
         pool = snap.cpu if request.state == "swapped" else snap.device
-        expected = {b.block_id for s in engine.scheduler._groups[request.request_id].unfinished_seqs()
+        expected = {b.block_id for s in engine.scheduler.requests[request.request_id].unfinished_seqs()
                     if s.seq_id in kv.tables for b in kv.tables[s.seq_id].held()}
         assert set(request.block_ids) == expected and len(request.block_ids) == len(expected)
         owners = pool.owner[request.block_ids]

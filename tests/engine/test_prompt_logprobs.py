@@ -93,7 +93,7 @@ def test_first_output_only(llama_checkpoint):
     while llm.engine.has_unfinished_requests():
         seen += [o.prompt_logprobs is not None for o in llm.engine.step()]
     assert seen == [True, False, False]
-    assert not llm.engine._prompt_logprobs
+    assert not llm.engine.scheduler.prompt_logprobs
 
 
 def test_beam_search_rejects_prompt_logprobs():
@@ -137,7 +137,7 @@ def test_abort_mid_prefill_drops_them(llama_checkpoint):
     llm.engine.add_request("r", mixed_prompts()[1], SamplingParams(max_tokens=2, prompt_logprobs=1))
     llm.engine.step()
     llm.engine.abort_request("r")
-    assert run_alone(llm, "r") == [None] and not llm.engine._prompt_logprobs
+    assert run_alone(llm, "r") == [None] and not llm.engine.scheduler.prompt_logprobs
 
 
 def test_resume(llama_checkpoint):

@@ -163,6 +163,7 @@ def test_draft_model_proposals_give_the_non_speculative_outputs(llama_checkpoint
     assert stats.num_preemptions_total > 0 or setting == "small-budget"
     rate = stats.spec_decode_acceptance_rate
     assert rate > 0.5 if draft == "same" else rate < 0.3  # greedy rows: 1.0 with the same model
+    engine.step()  # the proposing stage of the next step drops what the draft kept for ended sequences
     assert not engine.speculator.proposer.kv.tables  # every followed sequence ended: the draft's blocks are free
 
 
@@ -207,12 +208,13 @@ def test_draft_model_caches_prefixes_per_tenant(llama_checkpoint):
         while engine.has_unfinished_requests():
             engine.step()
         assert proposer.kv.prefix_cache_hits - hits == (32 if i == 1 else 0)  # 2 full blocks of 16
+    engine.step()  # the next proposing stage drops what the draft kept for the ended sequences
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
 def test_draft_model_holds_blocks_of_running_sequences_only(llama_checkpoint):
-    """A preempted sequence's draft blocks are freed at once (memory is short), and it is caught up again
-    when it runs: outputs stay the non-speculative ones."""
+    """A preempted sequence's draft blocks are freed before the next proposal (memory is short), and it is caught
+    up again when it runs: outputs stay the non-speculative ones."""
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=24)) for p in mixed_prompts(8)]
     expected = run(make_engine(llama_checkpoint.path, num_device_blocks=14), reqs)
     engine = make_engine(llama_checkpoint.path, num_device_blocks=14, speculative_method="draft",
@@ -224,6 +226,7 @@ def test_draft_model_holds_blocks_of_running_sequences_only(llama_checkpoint):
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         running = {seq.seq_id for group in engine.scheduler.running.values() for seq in group.seqs}
+        engine.speculator.proposer.release_inactive()  # what the next step's proposing stage does first
         assert set(engine.speculator.proposer.kv.tables) <= running
     assert got == {rid: choices[0][0] for rid, choices in expected.items()}
     stats = engine.stats()

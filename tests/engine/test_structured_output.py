@@ -216,7 +216,7 @@ def test_sampler_masks_greedy_and_sampled_rows_alike_on_both_backends():
     """Rows 0 and 2 constrained (one greedy, one sampled, seeded), row 1 free: the compiled ops give the
     reference's tokens, every constrained token is allowed, and the logprobs stay the raw model's."""
     import cuda_ext
-    from engine.structured_output import TokenMask
+    from engine.core.scheduler_output import TokenMask
 
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     allowed = [[3, 50, 77], None, [9, 10, 11, 12, 99]]
@@ -240,12 +240,12 @@ def test_bounded_strings_refuse_control_characters():
     """A bare maxLength string must not admit raw control characters (xgrammar's own rule does)."""
     import xgrammar as xgr
 
-    from engine.structured_output import _grammar
+    from engine.structured_output import build_grammar
 
     vocab = ['"', "a", "\x01", "\n", "</s>"]
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[4]))
     schema = {"type": "string", "minLength": 1, "maxLength": 2, "default": {"type": "string", "maxLength": 1}}
-    matcher = xgr.GrammarMatcher(compiler.compile_grammar(_grammar("json", json.dumps(schema))))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(build_grammar("json", json.dumps(schema))))
     assert matcher.accept_token(0)
     bitmask = xgr.allocate_token_bitmask(1, len(vocab))
     matcher.fill_next_token_bitmask(bitmask)

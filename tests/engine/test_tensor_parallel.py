@@ -68,7 +68,8 @@ def model(request, tmp_path_factory):
 
 def use_scheduler(llm: LLM, **overrides) -> None:
     engine = llm.engine
-    engine.scheduler = Scheduler(replace(engine.config.scheduler, **overrides), engine.eos_token_ids)
+    engine.scheduler = Scheduler(replace(engine.config.scheduler, **overrides), engine.eos_token_ids,
+                                 engine.scheduler.grammar)
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[list[list[int]]]:
