@@ -87,7 +87,8 @@ class OutputAssembler:
         elif final:
             choice.finish_reason = delta.finish_reason
         logprobs = None if delta.logprobs is None else delta.logprobs[:taken]
-        return ChoiceUpdate(index, text, delta.token_ids[:taken], logprobs, choice.finish_reason)
+        return ChoiceUpdate(index=index, text=text, token_ids=delta.token_ids[:taken], logprobs=logprobs,
+                            finish_reason=choice.finish_reason)
 
 
 def _pieces(choice: _Choice, token_ids: list[int]) -> list[list[int]]:

@@ -18,7 +18,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (ConnectionError as RedisConnectionError, RedisError, ResponseError,
                               TimeoutError as RedisTimeoutError)
 
-from service.broker_api import BrokerUnavailable
+from service.errors import BrokerUnavailable
 from service.config import RedisConfig, RedisNodes
 
 log = logging.getLogger(__name__)

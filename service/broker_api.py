@@ -1,7 +1,7 @@
 """The broker as the gateway and the worker see it, whatever carries the messages.
 
 Two implementations keep the same rules: Redis streams, for deployments
-(``service.redis_gateway``, the worker's side in ``service.broker``), and
+(``service.redis_gateway``, the worker's side in ``service.redis_worker``), and
 ``service.memory_broker`` (one process, for unit tests). Their gateway sides share
 ``service.reply_router.ReplyRouter``, the bookkeeping that does not depend on transport.
 
@@ -44,10 +44,6 @@ HANDED_OVER_STATUS = 409
 def kv_snapshot_ttl_s(interval_s: float) -> float:
     """How long a published KV snapshot stays readable: a few of the engine's intervals between them."""
     return max(KV_WANTED_S, 3 * interval_s)
-
-
-class BrokerUnavailable(Exception):
-    """The broker cannot be reached."""
 
 
 @dataclass(slots=True)
@@ -126,6 +122,17 @@ class GatewayBroker(Protocol):
         """The engine's latest KVSnapshotMsg (None: none yet, or expired); asks it for more for ``KV_WANTED_S``."""
 
 
+@dataclass(slots=True, frozen=True)
+class BeatResult:
+    """What an engine's heartbeat learnt."""
+
+    # The beat key was gone (the first beat, an expiry, Redis restarted empty) or another server answered: the
+    # broker may have lost this engine's claims (see ``WorkerBroker.taken_over``).
+    state_lost: bool = False
+    server_changed: bool = False  # another server than at the last beat (a failover): it may lack the last writes
+    kv_wanted: bool = False  # a gateway asked for this engine's KV snapshots lately
+
+
 class WorkerBroker(Protocol):
     """An engine worker's side: pull requests (a duplicated entry is dropped, never returned), read
     aborts, publish replies with checkpoints, take over dead engines' requests, see the live gateways,
@@ -134,9 +141,6 @@ class WorkerBroker(Protocol):
 
     engine_id: str
     incarnation: str  # of this process: a restarted engine keeps its id, not its incarnation
-    lost_state: bool  # the broker may have lost this engine's claims (Redis restarted empty): see taken_over
-    kv_wanted: bool  # a gateway asked for this engine's KV snapshots lately (learnt with each heartbeat)
-    server_changed: bool  # the last beat reached another server (a failover): it may lack the last writes
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
@@ -145,23 +149,30 @@ class WorkerBroker(Protocol):
     async def ack(self, handle: RequestHandle) -> None: ...
     async def dead_letter(self, handle: RequestHandle, reason: str) -> None: ...
     async def reclaim(self, room: int) -> list[Pulled]: ...
-    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]: ...
+    async def taken_over(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        """Those of these requests another engine resumed meanwhile; the others' claims are asserted again."""
     async def gateways(self) -> dict[str, GatewayBeat]: ...
-    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:
+    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> BeatResult:
         """Beats; ``prefixes``: the engine's cached block hashes, published for routing where the broker routes."""
     async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None: ...
 
 
+class LaneExchange(Protocol):
+    """A broker's publish and poll riding on the engine's step thread (``service.step_lane``): ``send`` before
+    a step and ``receive`` after it, on that thread; then, on the event loop, ``published`` (raises
+    ``BrokerUnavailable`` unless the publish landed whole, as ``publish`` would) and ``polled`` (what ``poll``
+    returns). ``ready`` says whether the next step may use it; when not, the worker goes through ``poll``
+    and ``publish``."""
+
+    def ready(self) -> bool: ...
+    def send(self, items: list[Reply], checkpoints: list[Progress], count: int | None) -> Any: ...
+    def receive(self, call: Any, count: int) -> None: ...
+    def published(self, call: Any) -> None: ...
+    async def polled(self, call: Any) -> tuple[list[Pulled], list[str]]: ...
+
+
 @runtime_checkable
 class LaneBroker(Protocol):
-    """A worker broker whose publish and poll can ride on the engine's step thread (the Redis one,
-    ``service.step_lane``): ``lane_send`` before a step and ``lane_receive`` after it, on that thread; then,
-    on the event loop, ``lane_published`` (raises ``BrokerUnavailable`` unless the publish landed whole, as
-    ``publish`` would) and ``lane_polled`` (what ``poll`` returns). ``lane_ready`` says whether the next
-    step may use it; when not, the worker goes through ``poll`` and ``publish``."""
+    """A worker broker with a step lane: ``lane`` is set by ``start`` (None where there is none, a Redis Cluster)."""
 
-    def lane_ready(self) -> bool: ...
-    def lane_send(self, items: list[Reply], checkpoints: list[Progress], count: int | None) -> Any: ...
-    def lane_receive(self, call: Any, count: int) -> None: ...
-    def lane_published(self, call: Any) -> None: ...
-    async def lane_polled(self, call: Any) -> tuple[list[Pulled], list[str]]: ...
+    lane: LaneExchange | None

@@ -117,15 +117,16 @@ async def _serve_gateway(config: GatewayConfig) -> None:
     from engine.demo_model import ensure_demo_model
     from engine.models.config import context_length
     from service.connections import GuardedAppRunner
-    from service.redis_gateway import RedisGatewayBroker
     from service.gateway import Gateway
+    from service.gateway_app import build_app
+    from service.redis_gateway import RedisGatewayBroker
     from service.tokenization import load_tokenizer
 
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)
-    gateway = Gateway(config, load_tokenizer(path), name, config.max_model_len or context_length(path),
-                      RedisGatewayBroker(config))
-    runner = GuardedAppRunner(gateway.app(), config, access_log=None)
+    gateway = Gateway(config=config, tokenizer=load_tokenizer(path), model_name=name,
+                      max_model_len=config.max_model_len or context_length(path), broker=RedisGatewayBroker(config))
+    runner = GuardedAppRunner(build_app(gateway), config, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("gateway %s serving %r on http://%s:%d/v1", gateway.gateway_id, name, config.host, config.port)

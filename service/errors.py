@@ -23,3 +23,7 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
                           "param": self.param, "code": self.code}}
+
+
+class BrokerUnavailable(Exception):
+    """The broker cannot be reached."""

@@ -19,8 +19,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from service.broker_api import BrokerUnavailable
-from service.errors import APIError
+from service.errors import APIError, BrokerUnavailable
 
 _WINDOW_MS = 60_000
 

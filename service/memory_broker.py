@@ -14,7 +14,8 @@ import time
 import uuid
 from collections import defaultdict, deque
 
-from service.broker_api import KV_WANTED_S, Pulled, Reply, RequestHandle, Resumed, read_request, rows_by_gateway
+from service.broker_api import (KV_WANTED_S, BeatResult, Pulled, Reply, RequestHandle, Resumed, read_request,
+                                rows_by_gateway)
 from service.config import GatewayConfig
 from service.limits import MemoryLimiter
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, StreamRecord,
@@ -125,9 +126,6 @@ class MemoryWorkerBroker:
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._block_s = block_s
         self._abort_cursor = 0  # every abort so far counts: its request may still be queued
-        self.lost_state = False  # the bus never loses its state
-        self.kv_wanted = False
-        self.server_changed = False
 
     async def start(self) -> None:
         pass
@@ -172,9 +170,10 @@ class MemoryWorkerBroker:
     async def gateways(self) -> dict[str, GatewayBeat]:
         return {gateway_id: GatewayBeat(gateway_id) for gateway_id in self.bus.gateways}
 
-    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> None:  # one engine: no routing
+    async def heartbeat(self, beat: Heartbeat, prefixes: set[bytes] = frozenset()) -> BeatResult:
+        """One engine, so no routing by prefixes; the bus never loses its state."""
         self.bus.beats[self.engine_id] = (encode(beat), time.monotonic() + self._heartbeat_ttl_s)
-        self.kv_wanted = self.bus.kv_wanted.get(self.engine_id, 0.0) > time.monotonic()
+        return BeatResult(kv_wanted=self.bus.kv_wanted.get(self.engine_id, 0.0) > time.monotonic())
 
     async def publish_kv_snapshot(self, payload: bytes, ttl_s: float) -> None:
         self.bus.kv_snapshots[self.engine_id] = (payload, time.monotonic() + ttl_s)

@@ -256,9 +256,10 @@ def decode_batch(payload: bytes) -> ReplyBatch:
     body = _unpack(ReplyBatch, payload)
     try:
         engine_id, incarnation = body["engine_id"], body["incarnation"]
-        events = [(rid, ReplyEvent(_EVENT_KINDS[kind], engine_id, incarnation,
-                                   [ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished, cached, error,
-                                   status, index, prompt_lps))
+        events = [(rid, ReplyEvent(kind=_EVENT_KINDS[kind], engine_id=engine_id, incarnation=incarnation,
+                                   choices=[ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished=finished,
+                                   num_cached_tokens=cached, error=error, status=status, index=index,
+                                   prompt_logprobs=prompt_lps))
                   for rid, index, kind, choices, finished, cached, error, status, prompt_lps in body["events"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(f"malformed ReplyBatch: {exc!r}") from exc

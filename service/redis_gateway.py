@@ -19,42 +19,36 @@ import hmac
 import logging
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
 
 from service.broker import BROKER_ERRORS, COMMAND_TIMEOUT_S, UNFINISHED_TTL_S, connect, get_many, server_identity
-from service.broker_api import KV_WANTED_S, BrokerUnavailable, Resumed
+from service.broker_api import KV_WANTED_S, Resumed
 from service.config import GatewayConfig
+from service.errors import BrokerUnavailable
 from service.limits import RedisLimiter
 from service.messages import GatewayBeat, RequestMsg, ReplyEvent, StreamRecord, decode_or_none, encode
-from service.redis_keys import PREFIX_KEY_BYTES, RESUMES, Keys, split_consumer
-from service.routing import RecentPrefixes, choose_engine, leading_hits, prompt_block_keys
+from service.prefix_router import PrefixRouter
+from service.redis_keys import RESUMES, Keys, split_consumer
+from service.reply_readers import ReplyReaders
 from service.reply_router import ReplyRouter
 from service.supervise import supervised
-from service.transcript import CLOCK_SKEW_MS, read_transcript
+from service.transcript import read_transcript
 
 log = logging.getLogger(__name__)
 
 _ABORTS_MAXLEN = 10_000
 _MAX_SUBMIT_BATCH = 256  # submissions per pipeline
 _COMMAND_RETRIES = 2  # a command may run 3 times: each is idempotent, or harmless twice (see start)
-# Prompt blocks remembered with the engine that took them: about a minute of a busy gateway's prompts, each
-# believed for a few engine heartbeats (its published summary covers it by then).
-_RECENT_KEYS = 1 << 17
-_RECENT_TTL_S = 5.0
 
 
 @dataclass(slots=True)
 class _Submit:
-    request_id: str
-    model: str
-    record: bytes
-    payload: bytes
-    done: asyncio.Future[None]
-    prompt_token_ids: list[int]
-    cache_salt: str | None
+    msg: RequestMsg
+    record: bytes  # the StreamRecord, encoded
+    payload: bytes  # the RequestMsg, encoded
+    done: asyncio.Future[None]  # set once the pipeline that queued it ran
 
 
 class RedisGatewayBroker(ReplyRouter):
@@ -63,7 +57,7 @@ class RedisGatewayBroker(ReplyRouter):
         self.gateway_id = uuid.uuid4().hex[:12]
         self._keys = Keys(config.redis.prefix)
         self._out = self._keys.out(self.gateway_id)
-        self._cursors: dict[str, bytes] = {}  # out stream -> the last entry read from it
+        self._readers = ReplyReaders(config.redis, self.poll_s, self._closing, self.route_payload)
         self._adopted: dict[str, str] = {}  # request id -> the gateway whose out stream carries it
         self._submits: list[_Submit] = []
         self._submitted: dict[str, _Submit] = {}  # request id -> its submission, while it lives here
@@ -73,12 +67,8 @@ class RedisGatewayBroker(ReplyRouter):
         self._restored_at = 0.0  # monotonic: when this gateway last found Redis's state lost
         self._server: frozenset[str] | None = None  # the run ids behind the client at the last beat
         self._flusher: asyncio.Task | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._recent = RecentPrefixes(_RECENT_KEYS, _RECENT_TTL_S)
-        self._prompt_keys: dict[str, dict[int, list[bytes]]] = {}  # request id -> block size -> keys, until taken
-        # request id -> the engine this gateway's live request was routed to or taken by (fresher than beats)
-        self._engine_of: dict[str, str] = {}
-        self._followers: dict[str, asyncio.Task] = {}  # another gateway's out stream -> its reader
+        self._watcher: asyncio.Task | None = None
+        self._router = PrefixRouter(self._keys, config)
 
     def limiter(self, lease_s: float) -> RedisLimiter:
         """Per-key limits in this deployment's Redis (once started)."""
@@ -86,23 +76,20 @@ class RedisGatewayBroker(ReplyRouter):
 
     async def start(self) -> None:
         # Submissions may be retried: the StreamRecord is SET NX and a worker runs a request id once
-        # (owner SET NX), so a retried XADD is harmless. The blocking reader never retries: its
-        # loop does, without re-sending a read that Redis may have answered.
+        # (owner SET NX), so a retried XADD is harmless.
         self._client = connect(self.config.redis, retries=_COMMAND_RETRIES)
-        self._blocking = connect(self.config.redis, blocking=True)
-        self._cursors[self._out] = await self._last_id(self._out)
+        self._readers.start(self._client)
+        await self._readers.follow(self._out, "reply-reader")
         await self._refresh_engines()
-        self._tasks = [supervised("reply-reader", lambda: self._read_replies(self._out), self.poll_s),
-                       supervised("engine-watch", self._watch, self.poll_s)]
+        self._watcher = supervised("engine-watch", self._watch, self.poll_s)
 
     async def close(self) -> None:
-        # The reader's blocking XREAD is woken, not cancelled: a read cancelled mid-flight can leave
+        # The readers' blocking XREADs are woken, not cancelled: a read cancelled mid-flight can leave
         # redis-py's connection teardown waiting forever.
-        reader, watcher = self._tasks
-        await self._stop(watcher, self.poll_s + COMMAND_TIMEOUT_S)
+        await self._stop(self._watcher, self.poll_s + COMMAND_TIMEOUT_S)
         await self._stop_background()
-        await self._wake_reader()
-        for task in [reader, *self._followers.values()]:  # a follower's read returns within the block time
+        await self._readers.wake(self._out)
+        for task in list(self._readers.tasks.values()):  # the others' reads return within the block time
             await self._stop(task, self.config.redis.block_ms / 1000 + COMMAND_TIMEOUT_S)
         try:
             await self._client.delete(self._keys.gateway(self.gateway_id))
@@ -110,12 +97,12 @@ class RedisGatewayBroker(ReplyRouter):
         except BROKER_ERRORS:
             pass
         await self._client.aclose()
-        await self._blocking.aclose()
+        await self._readers.close()
 
     # ---- submit -----------------------------------------------------------
     async def submit(self, msg: RequestMsg, record: StreamRecord) -> asyncio.Queue[ReplyEvent]:
-        item = _Submit(msg.request_id, msg.model, encode(record), encode(msg),
-                       asyncio.get_running_loop().create_future(), msg.prompt_token_ids, msg.cache_salt)
+        item = _Submit(msg=msg, record=encode(record), payload=encode(msg),
+                       done=asyncio.get_running_loop().create_future())
         queue = self._open(msg.request_id)  # before the XADD: the first replies may come at once
         self._submits.append(item)
         if self._flusher is None or self._flusher.done():
@@ -138,7 +125,7 @@ class RedisGatewayBroker(ReplyRouter):
         a burst costs a few round trips and one connection, never a connection each."""
         while self._submits:
             batch, self._submits = self._submits[:_MAX_SUBMIT_BATCH], self._submits[_MAX_SUBMIT_BATCH:]
-            routes = await self._routes(batch)
+            routes = await self._router.routes(self._client, [item.msg for item in batch], self.engines)
             pipe = self._client.pipeline(transaction=False)
             for item, engine_id in zip(batch, routes):
                 self._queue(pipe, item, engine_id)
@@ -156,63 +143,20 @@ class RedisGatewayBroker(ReplyRouter):
     def _queue(self, pipe: Pipeline, item: _Submit, engine_id: str | None = None) -> None:
         """On the shared stream, or (``engine_id``) the stream of the engine it is routed to."""
         self._write_record(pipe, item)
+        model = item.msg.model
         if engine_id is None:
-            pipe.xadd(self._keys.requests(item.model), {"p": item.payload})
+            pipe.xadd(self._keys.requests(model), {"p": item.payload})
             return
-        pipe.sadd(self._keys.routed_engines(item.model), engine_id)  # where reclaim and stealing look
-        pipe.xadd(self._keys.routed(item.model, engine_id), {"p": item.payload})
-        self._engine_of[item.request_id] = engine_id
-
-    async def _routes(self, batch: list[_Submit]) -> list[str | None]:
-        """Each submission's engine by cached prefix (``service.routing``), None for the shared stream: one
-        round trip for the batch; a failed one routes nothing."""
-        plan, pipe = [], self._client.pipeline(transaction=False)
-        for i, item in enumerate(batch):
-            for engine_id, beat in self.engines.items() if self.config.prefix_routing else ():
-                if beat.block_size and beat.model == item.model:
-                    keys = self._block_keys(item, beat.block_size)
-                    if keys:
-                        pipe.smismember(self._keys.prefixes(engine_id), keys)
-                        plan.append((i, engine_id, keys, beat.block_size))
-        if not plan:
-            return [None] * len(batch)
-        try:
-            found = await pipe.execute()
-        except BROKER_ERRORS:
-            return [None] * len(batch)
-        hits: list[dict[str, int]] = [{} for _ in batch]
-        for (i, engine_id, keys, block_size), members in zip(plan, found):
-            recent = self._recent.holds(keys, engine_id)
-            hits[i][engine_id] = leading_hits([m or r for m, r in zip(members, recent)]) * block_size
-        loads = self._loads()
-        return [choose_engine(h, loads, self.config.route_slack) for h in hits]
-
-    def _block_keys(self, item: _Submit, block_size: int) -> list[bytes]:
-        """The prompt's block keys at ``block_size``, kept until an engine takes the request (``on_accepted``)."""
-        by_size = self._prompt_keys.setdefault(item.request_id, {})
-        if block_size not in by_size:
-            by_size[block_size] = prompt_block_keys(item.prompt_token_ids, item.cache_salt, block_size,
-                                                    PREFIX_KEY_BYTES)
-        return by_size[block_size]
+        pipe.sadd(self._keys.routed_engines(model), engine_id)  # where reclaim and stealing look
+        pipe.xadd(self._keys.routed(model, engine_id), {"p": item.payload})
+        self._router.routed(item.msg.request_id, engine_id)
 
     def on_accepted(self, request_id: str, engine_id: str) -> None:
-        """The engine that took a request holds its prompt's blocks from now on (its summary says so later)."""
-        by_size, beat = self._prompt_keys.pop(request_id, None), self.engines.get(engine_id)
-        if by_size and beat is not None and beat.block_size in by_size:
-            self._recent.record(by_size[beat.block_size], engine_id)
-        self._engine_of[request_id] = engine_id
-
-    def _loads(self) -> dict[str, int]:
-        """Each live engine's requests (running or waiting): as its last beat said, or as this gateway counts
-        its own there if more (the beat is up to an interval old); a nearly full KV pool counts as busy."""
-        local = Counter(self._engine_of.values())
-        return {engine_id: max(beat.stats.num_requests_running + beat.stats.num_requests_waiting, local[engine_id])
-                + (self.config.route_slack + 1 if beat.stats.kv_cache_usage >= 0.95 else 0)
-                for engine_id, beat in self.engines.items()}
+        self._router.accepted(request_id, engine_id, self.engines.get(engine_id))
 
     def _write_record(self, pipe: Pipeline, item: _Submit) -> None:
         """The StreamRecord, unless one is there (SET NX): the reply of the SET says whether it was missing."""
-        pipe.set(self._keys.request(item.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
+        pipe.set(self._keys.request(item.msg.request_id), item.record, ex=UNFINISHED_TTL_S, nx=True)
 
     # ---- abort ------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -282,56 +226,16 @@ class RedisGatewayBroker(ReplyRouter):
         if gateway_id == self.gateway_id:
             return
         self._adopted[request_id] = gateway_id
-        key = self._keys.out(gateway_id)
-        if key not in self._cursors:
-            self._cursors[key] = await self._last_id(key)
-        if key not in self._followers or self._followers[key].done():
-            self._followers[key] = supervised(f"reply-reader {gateway_id}", lambda: self._read_replies(key),
-                                              self.poll_s)
+        await self._readers.follow(self._keys.out(gateway_id), f"reply-reader {gateway_id}")
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
         self._submitted.pop(request_id, None)
-        self._prompt_keys.pop(request_id, None)
-        self._engine_of.pop(request_id, None)
+        self._router.forget(request_id)
         self._entry_lost.discard(request_id)
         gateway_id = self._adopted.pop(request_id, None)
         if gateway_id is not None and gateway_id not in self._adopted.values():
-            self._cursors.pop(self._keys.out(gateway_id), None)  # its reader ends after its current read
-
-    # ---- reading ----------------------------------------------------------
-    async def _read_replies(self, key: str) -> None:
-        """Reads one out stream while it is followed (this gateway's own: until closing)."""
-        while not self._closing.is_set() and key in self._cursors:
-            try:
-                response = await self._blocking.xread({key: self._cursors[key]}, block=self.config.redis.block_ms)
-            except BROKER_ERRORS as exc:
-                log.warning("reply reader: %s", type(exc).__name__)
-                await asyncio.sleep(self.poll_s)
-                continue
-            for _, entries in response or []:
-                if key in self._cursors:
-                    self._cursors[key] = entries[-1][0]
-                for _, fields in entries:
-                    if b"b" in fields:  # a wake-up entry has none
-                        self.route_payload(fields[b"b"])
-
-    async def _wake_reader(self) -> None:
-        """An entry without a batch on this gateway's stream: its blocking read returns (closing)."""
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.xadd(self._out, {"w": b""})
-            pipe.expire(self._out, UNFINISHED_TTL_S, nx=True)  # an idle gateway's stream still expires
-            await pipe.execute()
-        except BROKER_ERRORS:
-            pass  # then the read returns within block_ms, or fails
-
-    async def _last_id(self, key: str) -> bytes:
-        try:
-            last = await self._client.xrevrange(key, count=1)
-        except BROKER_ERRORS:
-            return b"0-0"
-        return last[0][0] if last else b"0-0"
+            self._readers.unfollow(self._keys.out(gateway_id))
 
     async def kv_snapshot(self, engine_id: str) -> bytes | None:
         pipe = self._client.pipeline(transaction=False)
@@ -377,14 +281,13 @@ class RedisGatewayBroker(ReplyRouter):
 
     async def _failed_over(self) -> bool:
         """Whether another server answers than at the last beat (a promoted replica, a restart): the last
-        writes may be gone. The out streams' cursors go back by the clock skew the transcripts allow: the new
-        server's clock stamps the next entries, and may be behind the old one's."""
+        writes may be gone, and the out streams are read again from a little earlier."""
         server = await server_identity(self._client)
         changed = None not in (server, self._server) and server != self._server
         self._server = server or self._server
         if changed:
             log.warning("Redis is another server now (a failover or a restart): restoring this gateway's records")
-            self._cursors = {key: _rewound(cursor) for key, cursor in self._cursors.items()}
+            self._readers.rewind()
         return changed
 
     async def _restore(self) -> None:
@@ -398,9 +301,9 @@ class RedisGatewayBroker(ReplyRouter):
         # in a stall, loses neither).
         written = await pipe.execute() if self._submitted else []
         lost = {rid for rid, again in zip(self._submitted, written) if again}
-        if lost:  # the out streams are new too: a clock behind the old one's gives ids below the cursors
-            self._cursors = dict.fromkeys(self._cursors, b"0-0")
-        self._resubmit = [item.request_id for item in self._unaccepted(list(lost))]
+        if lost:  # the out streams are new too
+            self._readers.reread()
+        self._resubmit = [item.msg.request_id for item in self._unaccepted(list(lost))]
         self._entry_lost |= lost - set(self._resubmit)
         self._restore_due, self._restored_at = False, time.monotonic()
 
@@ -428,7 +331,7 @@ class RedisGatewayBroker(ReplyRouter):
                  if checkpoint is not None or self._subs[rid].expected == 0]
         pipe = self._client.pipeline(transaction=False)
         for item in whole:
-            pipe.xadd(self._keys.requests(item.model), {"p": item.payload, RESUMES: b""})
+            pipe.xadd(self._keys.requests(item.msg.model), {"p": item.payload, RESUMES: b""})
         await pipe.execute()
         self._entry_lost -= set(due)
         log.warning("%d requests lost their engine after Redis lost its state: %d queued again to resume, "
@@ -438,11 +341,6 @@ class RedisGatewayBroker(ReplyRouter):
         """The submissions of these requests that are still live here and that no engine has accepted."""
         return [item for rid in request_ids
                 if (item := self._submitted.get(rid)) and (sub := self._subs.get(rid)) and sub.owner is None]
-
-
-def _rewound(cursor: bytes) -> bytes:
-    millis = int(cursor.partition(b"-")[0])
-    return f"{max(millis - CLOCK_SKEW_MS, 0)}-0".encode()
 
 
 def _owner(consumer: bytes | None) -> tuple[str, str] | None:

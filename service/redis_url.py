@@ -42,5 +42,5 @@ def _read(kind: str, rest: str) -> RedisNodes:
     if (kind == "sentinel") != bool(parts):
         raise ValueError("a redis+sentinel:// URL ends with /SERVICE, the primary's name at the Sentinels; "
                          "a redis+cluster:// URL has no path")
-    return RedisNodes(kind, nodes, parts[0] if parts else "", db, urllib.parse.unquote(username) or None,
-                      urllib.parse.unquote(password) or None)
+    return RedisNodes(kind=kind, hosts=nodes, service=parts[0] if parts else "", db=db,
+                      username=urllib.parse.unquote(username) or None, password=urllib.parse.unquote(password) or None)

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Subscription:
+    """One request's reply queue, and what keeps it fed in index order."""
+
     queue: asyncio.Queue[ReplyEvent]
     since: float  # monotonic: when it was submitted (or adopted by a resume)
     expected: int = 0  # the index of the next counted event
@@ -28,6 +30,40 @@ class Subscription:
     held: list[ReplyEvent] | None = None  # live events kept back while a resume replays the transcript
     early: dict[int, ReplyEvent] | None = None  # by index: events past a gap, kept until it fills
     gap_since: float | None = None  # monotonic: since when ``early`` waits
+
+    def take(self, event: ReplyEvent) -> list[ReplyEvent]:
+        """The counted events deliverable now, in index order: none for a duplicate (a retried publish, a dead
+        engine's late event) or for one past a gap, kept in case what is missing comes yet (an engine
+        re-sending what a restarted Redis lost; else ``gap_wait_s`` later the stream ends, better an error
+        than text with a hole in it); otherwise this one and those it lets through, up to one that ends."""
+        if event.index < self.expected:
+            return []
+        if event.index > self.expected:
+            if self.early is None:
+                self.early, self.gap_since = {}, time.monotonic()
+            self.early.setdefault(event.index, event)
+            return []
+        ready = [event]
+        self.expected += 1
+        while not _ends(ready[-1]) and self.early and self.expected in self.early:
+            ready.append(self.early.pop(self.expected))
+            self.expected += 1
+        if not self.early:
+            self.early = self.gap_since = None
+        return ready
+
+    def lost_reason(self, reachable: bool, waited_s: float) -> str:
+        """Why no engine serves it any more, ``waited_s`` after it was found without one."""
+        waited = f"{waited_s:g} s"
+        if not reachable:
+            return f"the broker (Redis) has been unreachable for {waited}"
+        if self.owner is None:
+            return f"no engine has been available for {waited}"
+        return f"engine {self.owner[0]} stopped responding and no engine resumed the request within {waited}"
+
+
+def _ends(event: ReplyEvent) -> bool:
+    return event.finished or event.kind is EventKind.ERROR
 
 
 class ReplyRouter:
@@ -136,29 +172,11 @@ class ReplyRouter:
                 sub.owner, sub.lost_since = (event.engine_id, event.incarnation), None
                 sub.queue.put_nowait(event)
                 self.on_accepted(request_id, event.engine_id)
-        elif event.index < sub.expected:
-            pass  # a duplicate: a retried publish, or a dead engine's late event
-        elif event.index > sub.expected:
-            self._hold_early(sub, event)
-        else:
-            self._deliver(request_id, sub, event)
-            while sub.early and self._subs.get(request_id) is sub and sub.expected in sub.early:
-                self._deliver(request_id, sub, sub.early.pop(sub.expected))
-            if not sub.early:
-                sub.early = sub.gap_since = None
-
-    @staticmethod
-    def _hold_early(sub: Subscription, event: ReplyEvent) -> None:
-        """Something in between is missing: it may come yet (an engine re-sending what a restarted Redis
-        lost), else ``gap_wait_s`` later the stream ends, better an error than text with a hole in it."""
-        if sub.early is None:
-            sub.early, sub.gap_since = {}, time.monotonic()
-        sub.early.setdefault(event.index, event)
-
-    def _deliver(self, request_id: str, sub: Subscription, event: ReplyEvent) -> None:
-        sub.expected += 1
-        sub.queue.put_nowait(event)
-        if event.finished or event.kind is EventKind.ERROR:
+            return
+        ready = sub.take(event)
+        for delivered in ready:
+            sub.queue.put_nowait(delivered)
+        if ready and _ends(ready[-1]):
             self.release(request_id)
 
     def _end(self, request_id: str, sub: Subscription, reason: str, status: int) -> None:
@@ -231,19 +249,11 @@ class ReplyRouter:
             elif sub.lost_since is None:
                 sub.lost_since = now
             elif now - sub.lost_since > self.config.resume_deadline_s:
-                self._end(request_id, sub, self._lost_reason(sub.owner), 503)
+                self._end(request_id, sub, sub.lost_reason(self.reachable, self.config.resume_deadline_s), 503)
 
     def _served(self, owner: tuple[str, str] | None) -> bool:
         if owner is None:  # still queued: fine while any engine may take it
             return bool(self.engines)
         beat = self.engines.get(owner[0])
         return beat is not None and beat.incarnation == owner[1]
-
-    def _lost_reason(self, owner: tuple[str, str] | None) -> str:
-        waited = f"{self.config.resume_deadline_s:g} s"
-        if not self.reachable:
-            return f"the broker (Redis) has been unreachable for {waited}"
-        if owner is None:
-            return f"no engine has been available for {waited}"
-        return f"engine {owner[0]} stopped responding and no engine resumed the request within {waited}"
 

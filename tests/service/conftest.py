@@ -23,6 +23,7 @@ from engine.demo_model import write_demo_model
 from engine.stats import EngineStats
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.flags import config_argv
 from service.local_stack import LocalStack
 from service.memory_broker import MemoryBus, MemoryGatewayBroker, MemoryWorkerBroker
@@ -166,5 +167,5 @@ async def gateway_client(config: GatewayConfig, tokenizer: Any, bus: MemoryBus,
                          context: int = 2048) -> AsyncIterator[TestClient]:
     """An in-process gateway over the memory broker, with an HTTP test client."""
     gateway = Gateway(config, tokenizer, MODEL_NAME, context, MemoryGatewayBroker(bus, config))
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with TestClient(TestServer(build_app(gateway))) as client:
         yield client

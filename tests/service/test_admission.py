@@ -12,8 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 import service.gateway
+import service.streaming
 from service.config import GatewayConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from tests.service.conftest import MODEL_NAME, memory_worker, running, until
 from tests.service.fake_engine import FakeEngine
@@ -44,7 +46,7 @@ async def one_slot_gateway(tokenizer: Any) -> AsyncIterator[tuple[Gateway, TestC
     config = GatewayConfig(engine_poll_s=0.05, api_keys=(KEY,), key_policies=(f"{KEY}:max_concurrent=1",))
     bus, engine = MemoryBus(), FakeEngine()
     gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config))
-    async with TestClient(TestServer(gateway.app())) as client, running(memory_worker(bus, engine)):
+    async with TestClient(TestServer(build_app(gateway))) as client, running(memory_worker(bus, engine)):
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.02)
         yield gateway, client, engine
@@ -55,9 +57,9 @@ INJECTIONS: list[tuple[str, Callable[[Gateway], tuple[Any, str]], Any, bool]] = 
     *[(f"{step}, {'stream' if stream else 'whole'}", where, replacement, stream) for stream in (False, True)
       for step, where, replacement in (("records", lambda gw: (gw, "_request_records"), fail),
                                        ("submit", lambda gw: (gw.broker, "submit"), fail_async),
-                                       ("run", lambda gw: (service.gateway, "_Run"), fail))],
-    ("serving the whole response", lambda gw: (service.gateway._Run, "complete"), fail_async, False),
-    ("serving the stream", lambda gw: (service.gateway._Run, "chunks"), fail_stream, True),
+                                       ("run", lambda gw: (service.gateway, "Run"), fail))],
+    ("serving the whole response", lambda gw: (service.streaming.Run, "complete"), fail_async, False),
+    ("serving the stream", lambda gw: (service.streaming.Run, "chunks"), fail_stream, True),
 ]
 
 

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from service.broker import connect
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.redis_gateway import RedisGatewayBroker
 from tests.service.conftest import MODEL_NAME
@@ -31,7 +32,7 @@ async def serving(gateway: Gateway, worker: FakeV5Worker) -> AsyncIterator[TestC
     task = asyncio.create_task(worker.run())
     try:
         # No client-side connection cap either: the burst reaches the gateway at once.
-        async with TestClient(TestServer(gateway.app()), connector=aiohttp.TCPConnector(limit=0)) as client:
+        async with TestClient(TestServer(build_app(gateway)), connector=aiohttp.TCPConnector(limit=0)) as client:
             while (await client.get("/ready")).status != 200:
                 await asyncio.sleep(0.02)
             yield client

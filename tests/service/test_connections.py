@@ -15,6 +15,7 @@ from aiohttp import web
 from service.config import GatewayConfig
 from service.connections import GuardedAppRunner, peer_key
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from tests.service.conftest import MODEL_NAME, until
 
@@ -30,7 +31,7 @@ REQUEST = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
 async def guarded_gateway(tokenizer, **limits: float) -> AsyncIterator[tuple[str, int, GuardedAppRunner]]:
     config = GatewayConfig(**{"header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S, **limits})
     gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(MemoryBus(), config))
-    runner = GuardedAppRunner(gateway.app(), config, access_log=None)
+    runner = GuardedAppRunner(build_app(gateway), config, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -12,7 +12,7 @@ from typing_extensions import get_protocol_members
 
 from engine import EngineConfig, LLMEngine
 from loadtest.bench_broker import SyntheticEngine
-from service.worker import Engine
+from service.engine_api import Engine
 from tests.service.fake_engine import FakeEngine
 from tests.service.test_worker_redis import StoppedOnFirstAdd
 from tests.service.test_worker_unit import BrokenEngine, HeldEngine

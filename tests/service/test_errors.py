@@ -14,6 +14,7 @@ from service.redis_worker import RedisWorkerBroker
 from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.local_stack import LocalStack, free_port
 from service.messages import EventKind, Heartbeat, ReplyEvent, event_row
 from service.worker import Worker
@@ -107,7 +108,7 @@ async def test_queue_bound_is_429_and_disconnect_aborts(redis_url: str, prefix: 
     redis = RedisConfig(url=redis_url, prefix=prefix, block_ms=200)
     engine_side = await fake_heartbeat(redis)  # alive but never pulls: requests stay queued
     gateway = make_gateway(redis, demo_tokenizer, max_pending_requests=1, reconnect_grace_s=0)  # abort at once
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with TestClient(TestServer(build_app(gateway))) as client:
         first = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a", "stream": True})
         assert first.status == 200
         second = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "b"})
@@ -127,7 +128,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
     redis = RedisConfig(url=redis_url, prefix=prefix, block_ms=200)
     engine_side = await fake_heartbeat(redis)
     gateway = make_gateway(redis, demo_tokenizer)
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with TestClient(TestServer(build_app(gateway))) as client:
         pending = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a"}))
         pulled: list = []
         while not pulled:
@@ -145,7 +146,7 @@ async def test_restarted_engine_with_same_id_fails_old_requests(redis_url: str, 
 async def test_no_engine_or_no_redis_is_503(redis_url: str, prefix: str, demo_tokenizer) -> None:
     dead_redis = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, block_ms=200)
     for redis in (RedisConfig(url=redis_url, prefix=prefix, block_ms=200), dead_redis):
-        async with TestClient(TestServer(make_gateway(redis, demo_tokenizer).app())) as client:
+        async with TestClient(TestServer(build_app(make_gateway(redis, demo_tokenizer)))) as client:
             ready = await client.get("/ready")
             assert ready.status == 503
             response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a"})
@@ -155,7 +156,7 @@ async def test_no_engine_or_no_redis_is_503(redis_url: str, prefix: str, demo_to
 async def test_cors_allows_only_configured_origins(redis_url: str, prefix: str, demo_tokenizer) -> None:
     gateway = make_gateway(RedisConfig(url=redis_url, prefix=prefix), demo_tokenizer,
                            cors_origins=("https://app.example",), api_keys=("k",))
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with TestClient(TestServer(build_app(gateway))) as client:
         preflight = await client.options("/v1/chat/completions", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
         assert preflight.status == 204
@@ -173,7 +174,7 @@ async def test_failing_request_does_not_stop_the_worker(redis_url: str, prefix: 
     worker = Worker(config, FakeEngine(), MODEL_NAME, broker)
     loop_task = asyncio.create_task(worker.run())
     gateway = make_gateway(redis, demo_tokenizer)
-    async with TestClient(TestServer(gateway.app())) as client:
+    async with TestClient(TestServer(build_app(gateway))) as client:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
         bad = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [BOOM_ON_ADD, 1]})

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestClient
 
-from service import gateway as gateway_module
+from service import prompts as prompts_module
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.tokenization import template_chars_per_message
@@ -30,9 +30,9 @@ async def client_and_bus(tokenizer) -> AsyncIterator[tuple[TestClient, MemoryBus
 def tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The texts the gateway tokenized."""
     seen: list[str] = []
-    encode_prompt, encode_chat = gateway_module.encode_prompt, gateway_module.encode_chat
-    monkeypatch.setattr(gateway_module, "encode_prompt", lambda tok, p: seen.append(p) or encode_prompt(tok, p))
-    monkeypatch.setattr(gateway_module, "encode_chat",
+    encode_prompt, encode_chat = prompts_module.encode_prompt, prompts_module.encode_chat
+    monkeypatch.setattr(prompts_module, "encode_prompt", lambda tok, p: seen.append(p) or encode_prompt(tok, p))
+    monkeypatch.setattr(prompts_module, "encode_chat",
                         lambda tok, m, *rest: seen.append(str(m)) or encode_chat(tok, m, *rest))
     return seen
 

@@ -24,6 +24,7 @@ from engine.structured_output import check_structured_output
 from service.config import GatewayConfig
 from service.connections import GuardedAppRunner
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.local_stack import free_port
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.openapi import openapi_document
@@ -45,7 +46,7 @@ def serve(tokenizer, port: int, started: threading.Event, stop: asyncio.Event) -
         bus = MemoryBus()
         config = GatewayConfig(engine_poll_s=0.05, api_keys=(API_KEY,))
         gateway = Gateway(config, tokenizer, MODEL_NAME, CONTEXT, MemoryGatewayBroker(bus, config))
-        runner = GuardedAppRunner(gateway.app(), config, access_log=None)
+        runner = GuardedAppRunner(build_app(gateway), config, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         # No fault hooks: a fuzzed prompt such as "1" starts with a hook's token, and the engine failures

@@ -19,6 +19,7 @@ from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from service import responses
 from service.config import GatewayConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from service.messages import RequestMsg
 from service.protocol import MAX_CACHE_SALT_CHARS, MAX_JSON_DEPTH
@@ -38,7 +39,7 @@ def make_client(tokenizer, api_keys: tuple[str, ...] = ()) -> tuple[TestClient, 
     bus = MemoryBus()
     config = GatewayConfig(engine_poll_s=0.05, api_keys=api_keys)
     gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config))
-    return TestClient(TestServer(gateway.app())), bus, gateway
+    return TestClient(TestServer(build_app(gateway))), bus, gateway
 
 
 @pytest.fixture
@@ -137,8 +138,8 @@ async def test_server_fault_is_500_with_request_id_and_no_text(served, monkeypat
     def broken(_):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(gateway, "_tokenize", broken)
-    with caplog.at_level(logging.ERROR, logger="service.gateway"):
+    monkeypatch.setattr(gateway.prompts, "encode", broken)
+    with caplog.at_level(logging.ERROR, logger="service.server_errors"):
         response = await client.post("/v1/completions", json=COMPLETION)
         message = assert_error(response.status, await response.json(), 500)
     request_id = response.headers["X-Request-Id"]
@@ -164,7 +165,7 @@ async def test_error_after_the_stream_started_ends_it(served, monkeypatch) -> No
 async def test_tokenizing_never_blocks_the_event_loop(served, monkeypatch) -> None:
     """Tokenizing holds until /health has answered: only a loop that tokenizes elsewhere can answer it."""
     client, gateway = served
-    tokenize = gateway._tokenize
+    tokenize = gateway.prompts.encode
     tokenizing, answered, released = threading.Event(), threading.Event(), []
 
     def held(req):  # a 1 MB prompt's worth of tokenizing, ended by the test
@@ -172,7 +173,7 @@ async def test_tokenizing_never_blocks_the_event_loop(served, monkeypatch) -> No
         released.append(answered.wait(10))  # False: /health waited for the tokenizer (the loop is blocked)
         return tokenize(req)
 
-    monkeypatch.setattr(gateway, "_tokenize", held)
+    monkeypatch.setattr(gateway.prompts, "encode", held)
     generation = asyncio.ensure_future(post(client, "/v1/completions", COMPLETION))
     await until(tokenizing.is_set)
     assert (await client.get("/health")).status == 200

@@ -58,19 +58,16 @@ async def test_the_worker_broker_reasserts_missing_owner_keys_and_reports_other_
             await submit(client, keys, rid, max_tokens=4)
         pulled, _ = await broker.poll(2, block=False)
         handles = [p.handle for p in pulled]
-        await broker.heartbeat(beat("w0"))
-        assert broker.lost_state  # the first beat found no key: nothing is lost, taken_over says so
-        assert await broker.taken_over(handles) == [] and not broker.lost_state
-        await broker.heartbeat(beat("w0"))
-        assert not broker.lost_state
+        assert (await broker.heartbeat(beat("w0"))).state_lost  # the first beat found no key: nothing is lost,
+        assert await broker.taken_over(handles) == []  # taken_over says so
+        assert not (await broker.heartbeat(beat("w0"))).state_lost
 
         await lose_state(client, redis_config.prefix)
         await client.set(keys.owner("r2"), "w1/other")  # another engine claimed r2 meanwhile
-        await broker.heartbeat(beat("w0"))
-        assert broker.lost_state
+        assert (await broker.heartbeat(beat("w0"))).state_lost
         assert [h.request_id for h in await broker.taken_over(handles)] == ["r2"]
         assert await client.get(keys.owner("r1")) == broker.consumer.encode()
-        assert not broker.lost_state
+        assert not (await broker.heartbeat(beat("w0"))).state_lost  # re-asserted: the key is there again
 
         await submit(client, keys, "r1", max_tokens=4)  # a gateway queues r1 again: its entry was lost
         assert (await broker.poll(2, block=False))[0] == []  # NOGROUP: the group is made again, from entry 0

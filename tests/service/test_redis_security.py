@@ -23,6 +23,7 @@ from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.redis_gateway import RedisGatewayBroker
 from service.redis_worker import RedisWorkerBroker
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.local_stack import free_port
 from service.worker import Worker
 from tests.service.conftest import MODEL_NAME, ROOT, running
@@ -68,7 +69,7 @@ async def broker_traffic(config: RedisConfig, tokenizer, engine, monkeypatch: py
         config, worker_config.engine_id, MODEL_NAME, reply_ttl_s=60, heartbeat_ttl_s=2.0))
     gateway_config = GatewayConfig(redis=config, engine_poll_s=0.05)
     gateway = Gateway(gateway_config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(gateway_config))
-    async with running(worker), TestClient(TestServer(gateway.app())) as client:
+    async with running(worker), TestClient(TestServer(build_app(gateway))) as client:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
         whole = await client.post("/v1/completions", json={**GREEDY, "prompt": "paged", "max_tokens": 4})

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from service.broker import connect
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.openapi import openapi_document
 from service.redis_gateway import RedisGatewayBroker
 from tests.service.conftest import API_KEY, MODEL_NAME
@@ -40,7 +41,8 @@ async def deployment(redis_url: str, tokenizer, step_s: float = 0.02,
     task = asyncio.create_task(worker.run())
     gateways = [Gateway(config, tokenizer, MODEL_NAME, 2048, RedisGatewayBroker(config)) for _ in range(2)]
     try:
-        async with TestClient(TestServer(gateways[0].app())) as a, TestClient(TestServer(gateways[1].app())) as b:
+        async with (TestClient(TestServer(build_app(gateways[0]))) as a,
+                    TestClient(TestServer(build_app(gateways[1]))) as b):
             for http in (a, b):
                 while (await http.get("/ready", headers=headers())).status != 200:
                     await asyncio.sleep(0.02)

@@ -87,8 +87,8 @@ def after_start(worker, patch) -> None:
 
 
 def record_lane_sends(broker, calls: list) -> None:
-    lane_send = broker.lane_send
-    broker.lane_send = lambda *args: calls.append(lane_send(*args)) or calls[-1]
+    lane_send = broker.lane.send
+    broker.lane.send = lambda *args: calls.append(lane_send(*args)) or calls[-1]
 
 
 @pytest.mark.parametrize("lane_works", [True, False])
@@ -99,7 +99,7 @@ async def test_the_worker_serves_with_or_without_the_lane(redis_config: RedisCon
 
     def patch(broker) -> None:
         if not lane_works:
-            broker._lane = StepLane(RedisConfig(url="redis://127.0.0.1:1"), retry_s=60)
+            broker.lane._connection = StepLane(RedisConfig(url="redis://127.0.0.1:1"), retry_s=60)
         record_lane_sends(broker, sends)
     after_start(worker, patch)
     async with running(worker):
@@ -178,7 +178,7 @@ async def test_a_failed_poll_after_the_step_loses_nothing(redis_config: RedisCon
     count_steps(engine, {1: send_second})
 
     def fail_one_poll(broker) -> None:
-        lane = broker._lane
+        lane = broker.lane._connection
         send, receive = lane.send, lane.receive
 
         def send_failing_once(commands):

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from service.config import GatewayConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.memory_broker import MemoryBus, MemoryGatewayBroker
 from tests.service.conftest import MODEL_NAME, memory_worker, running
 
@@ -21,7 +22,7 @@ KEYS = ("sk-tenant-a", "sk-tenant-b")
 def gateway_client(bus: MemoryBus, tokenizer, secret: str | None) -> TestClient:
     config = GatewayConfig(engine_poll_s=0.05, api_keys=KEYS, prefix_cache_secret=secret)
     gateway = Gateway(config, tokenizer, MODEL_NAME, 2048, MemoryGatewayBroker(bus, config))
-    return TestClient(TestServer(gateway.app()))
+    return TestClient(TestServer(build_app(gateway)))
 
 
 async def cached_tokens(client: TestClient, key: str, prompt: str, **extra) -> int:

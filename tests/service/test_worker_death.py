@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from service.redis_gateway import RedisGatewayBroker
 from service.config import GatewayConfig, RedisConfig
 from service.gateway import Gateway
+from service.gateway_app import build_app
 from service.local_stack import LocalStack
 from tests.service.conftest import MODEL_NAME, START_TIMEOUT_S, until
 
@@ -41,7 +42,7 @@ async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model:
     gateway = Gateway(config, AutoTokenizer.from_pretrained(demo_model), MODEL_NAME, 2048,
                       RedisGatewayBroker(config))
     try:
-        async with TestClient(TestServer(gateway.app())) as client:
+        async with TestClient(TestServer(build_app(gateway))) as client:
             await wait_ready(client, engines=2)
             stream = await client.post("/v1/completions", json={**LONG, "stream": True})
             plain = asyncio.create_task(client.post("/v1/completions", json=LONG))
