@@ -47,8 +47,10 @@ async def sse_stream(session: aiohttp.ClientSession, method: str, url: str, outc
                      body: dict | None = None, headers: dict | None = None) -> Outcome:
     """A raw SSE client (the openai client hides event ids): POST a request, or GET a stream to resume,
     with a ``Last-Event-ID`` header when resuming; appends to ``outcome``. A timeout (the session's) is
-    raised: the caller decides what a stream that never ended means."""
+    raised: the caller decides what a stream that never ended means. It asks for the events' ids
+    (``X-Resumable``)."""
     try:
+        headers = {"X-Resumable": "1"} | (headers or {})
         async with session.request(method, url, json=body, headers=headers) as response:
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.read())[:300].decode(errors='replace')}"

@@ -153,6 +153,12 @@ class GatewayConfig:
                                   "before it ends with an error")
     accept_deadline_s: float = spec(60.0, low=0, low_open=True, flag="--accept-deadline",
                                     help="seconds a request waits for an engine to take it before a 503")
+    sse_event_ids: bool = spec(False, help="send every stream's SSE 'id:' lines (resume tokens); without it only a "
+                                           "request with 'X-Resumable: 1' (or a resume) gets them, and the "
+                                           "stream's framing is OpenAI's")
+    sse_keepalive_s: float = spec(15.0, low=0, flag="--sse-keepalive",
+                                  help="seconds without an event after which a stream sends a ': keep-alive' "
+                                       "comment, so proxies keep it open (0: never)")
     reconnect_grace_s: float = spec(10.0, low=0, flag="--reconnect-grace",
                                     help="seconds a stream whose client hung up keeps running for the client "
                                          "to resume it (Last-Event-ID) before it is aborted")

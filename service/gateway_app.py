@@ -99,7 +99,9 @@ def _cors(origins: tuple[str, ...]) -> Middleware:
             response = await handler(request)
         if allowed and not response.prepared:
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            # A browser client may resume a stream (Last-Event-ID, X-Resumable) and read its token (X-Request-Id).
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Last-Event-ID, X-Resumable"
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             response.headers["Vary"] = "Origin"
         return response

@@ -224,12 +224,20 @@ _GENERATION_ERRORS = {"400": "invalid parameters, or a prompt too long for the c
 _TOKENIZER_ERRORS = {"400": "invalid body, token ids outside the vocabulary, or more than the context holds",
                      "404": "unknown model", "429": "the tokenizer queue of this API key is full (see Retry-After)",
                      **_BODY_ERRORS}
-# A stream's SSE events carry ``id: <request id>:<k>``; sending the last one seen resumes the stream.
+# With X-Resumable (or --sse-event-ids) a stream's SSE events carry ``id: <request id>:<k>``; sending the last one
+# seen resumes the stream. Without, the framing is OpenAI's and X-Request-Id names the stream.
 REQUEST_ID_PATTERN = "(?:chatcmpl|cmpl)-[0-9a-f]{32}"  # the ids this server gives (a 400 or 404 for others)
 _LAST_EVENT_ID = {"name": "Last-Event-ID", "in": "header", "required": False,
                   "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}:[0-9]{{1,9}}$"},
                   "description": "'<request id>:<k>' from a stream's 'id:' field: instead of a new run, the "
                                  "events of that stream after k (on any gateway, while the stream is retained)"}
+_RESUMABLE = {"name": "X-Resumable", "in": "header", "required": False,
+              "schema": {"type": "string", "enum": ["1", "0", "true", "false"]},
+              "description": "'1': each SSE event carries an 'id: <request id>:<k>' line, for Last-Event-ID "
+                             "(OpenAI's framing has none; the server's --sse-event-ids sends them always)"}
+_STREAM_HEADERS = {"X-Request-Id": {"description": "the stream's request id: its k-th data event (from 0) "
+                                                   "resumes as Last-Event-ID '<request id>:<k>'",
+                                    "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$"}}}
 _DESCRIPTION = ("OpenAI-compatible API serving {model!r}. On any route: 405 with an Allow header for a method the "
                 "path does not take; 429 too_many_connections, and the connection closed, for a client address "
                 "past --max-connections-per-peer open connections.")
@@ -243,10 +251,11 @@ def _errors(statuses: dict[str, str]) -> dict[str, Any]:
 
 def _generation_op(summary: str, properties: dict[str, Any], required: list[str],
                    rules: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]'",
-          "content": {"application/json": {}, "text/event-stream": {}}}
+    ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]' (': keep-alive' "
+                         "comments while no chunk flows)",
+          "content": {"application/json": {}, "text/event-stream": {}}, "headers": _STREAM_HEADERS}
     schema = {"type": "object", "required": required, "properties": properties, "allOf": rules}
-    return {"post": {"summary": summary, "parameters": [_LAST_EVENT_ID], "requestBody": {
+    return {"post": {"summary": summary, "parameters": [_LAST_EVENT_ID, _RESUMABLE], "requestBody": {
         "required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {"200": ok, **_errors(_GENERATION_ERRORS)}}}
 

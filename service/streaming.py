@@ -1,6 +1,7 @@
 """A request in flight turned into its HTTP response: the broker's reply events detokenized (on the tokenizer
-threads) into one JSON body, or into server-sent events, ``id: <request id>:<k>`` each, so that a client that
-lost its connection can resume (``service.resume``). One response may carry several runs (a list of prompts).
+threads) into one JSON body, or into server-sent events framed as OpenAI frames them; a client that asks
+(``X-Resumable: 1``) also gets an ``id: <request id>:<k>`` line per event, so that it can resume after losing
+its connection (``service.resume``). One response may carry several runs (a list of prompts).
 
 A run only reports how it ended (the engine finished it, its client left, another connection took it over);
 whoever made it, the admission or a resume, ends it with ``Run.end``."""
@@ -319,12 +320,11 @@ async def stream_runs(runs: list[Run]) -> web.StreamResponse:
     """One SSE stream: the runs' chunks one run after the other (the engine runs them all at once; the
     later ones' events wait in their queues), then the summed usage."""
     first = runs[0]
-    # Validation is done and the requests are queued, so the 200 can go out now.
-    sse = _SSEWriter(web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                 "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}),
-                     first.request_id, -1 if first.skip_through is None else first.skip_through)
+    sse = _SSEWriter(_sse_response(first), first.request_id,
+                     -1 if first.skip_through is None else first.skip_through, _wants_event_ids(first))
     try:
-        await sse.response.prepare(first.http)
+        # Validation is done and the requests are queued, so the 200 can go out now.
+        await sse.start(first.http, first.serving.config.sse_keepalive_s)
         for k, run in enumerate(runs):
             async for chunk in run.chunks():
                 chunk["id"] = first.request_id
@@ -337,14 +337,30 @@ async def stream_runs(runs: list[Run]) -> web.StreamResponse:
         await sse.send(exc.body())
     except (ClientGone, ConnectionResetError):
         _client_gone(runs)
+        sse.stop()
         return sse.response
     except asyncio.CancelledError:  # aiohttp cancels a handler whose client hung up (or at shutdown)
         _client_gone(runs)
+        sse.stop()
         raise
     except Exception:  # the 200 is out: the error can only be the stream's last event
         await sse.send(internal_error(f"stream of {first.request_id} failed", first.request_id).body())
     await sse.done()
     return sse.response
+
+
+def _sse_response(run: Run) -> web.StreamResponse:
+    """The stream's headers. ``X-Request-Id`` is the resume token without ``id:`` lines: the k-th ``data:``
+    event (from 0) is ``<request id>:<k>`` for Last-Event-ID."""
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no", "X-Request-Id": run.request_id})
+
+
+def _wants_event_ids(run: Run) -> bool:
+    """``id:`` lines only when asked for (OpenAI sends none, and clients that split events on blank lines and
+    strip ``data: `` cannot parse them): the server flag, ``X-Resumable: 1``, or a resume (its client resumes)."""
+    asked = run.http.headers.get("X-Resumable", "").strip().lower() in ("1", "true")
+    return run.serving.config.sse_event_ids or asked or run.skip_through is not None
 
 
 def _client_gone(runs: list[Run]) -> None:
@@ -353,23 +369,54 @@ def _client_gone(runs: list[Run]) -> None:
 
 
 class _SSEWriter:
-    """``id: <request id>:<k>`` then ``data: <json>`` per event (k counts them from 0), ``data: [DONE]``
-    last; the events up to ``skip_through`` (those a resuming client has) are counted, not sent."""
+    """``data: <json>`` per event (with ``event_ids``, an ``id: <request id>:<k>`` line before it; k counts the
+    events from 0), ``data: [DONE]`` last; the events up to ``skip_through`` (those a resuming client has) are
+    counted, not sent. While no event flows for ``keepalive_s``, a ``: keep-alive`` comment goes out (clients
+    ignore comments; proxies see traffic)."""
 
-    def __init__(self, response: web.StreamResponse, request_id: str, skip_through: int) -> None:
+    def __init__(self, response: web.StreamResponse, request_id: str, skip_through: int, event_ids: bool) -> None:
         self.response = response
         self.request_id = request_id
         self.skip_through = skip_through
+        self.event_ids = event_ids
         self._next_id = 0
+        self._lock = asyncio.Lock()  # one write at a time: events and keep-alives
+        self._written_at = time.monotonic()
+        self._keepalive: asyncio.Task | None = None
+
+    async def start(self, http: web.Request, keepalive_s: float) -> None:
+        await self.response.prepare(http)
+        if keepalive_s > 0:
+            self._keepalive = asyncio.create_task(self._keep_alive(keepalive_s))
 
     async def send(self, body: dict[str, Any]) -> None:
         await self._write(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
 
     async def done(self) -> None:
         await self._write("[DONE]")
+        self.stop()
         await self.response.write_eof()
+
+    def stop(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
 
     async def _write(self, data: str) -> None:
         k, self._next_id = self._next_id, self._next_id + 1
         if k > self.skip_through:
-            await self.response.write(f"id: {self.request_id}:{k}\ndata: {data}\n\n".encode("utf-8"))
+            event_id = f"id: {self.request_id}:{k}\n" if self.event_ids else ""
+            await self._send(f"{event_id}data: {data}\n\n".encode("utf-8"))
+
+    async def _send(self, payload: bytes) -> None:
+        async with self._lock:
+            await self.response.write(payload)
+            self._written_at = time.monotonic()
+
+    async def _keep_alive(self, interval_s: float) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self._written_at + interval_s - time.monotonic())
+                if time.monotonic() - self._written_at >= interval_s:
+                    await self._send(b": keep-alive\n\n")
+        except (ConnectionResetError, RuntimeError):  # the client left: the stream's own write says so
+            return

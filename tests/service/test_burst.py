@@ -51,7 +51,7 @@ async def one_stream(client: TestClient) -> tuple[int, str]:
         return response.status, await response.text()
     text = ""
     for block in (await response.read()).decode().strip().split("\n\n"):
-        data = block.split("\n")[1][len("data: "):]
+        data = block[len("data: "):]
         if data == "[DONE]":
             continue
         event = json.loads(data)

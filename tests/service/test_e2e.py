@@ -47,23 +47,43 @@ async def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, 
             return response.status, await response.json(content_type=None)
 
 
-async def sse(url: str, body: dict) -> list[tuple[str, str]]:
-    """(id, data) of every event, checking the framing on the way."""
+async def sse(url: str, body: dict, resumable: bool = False) -> list[tuple[str | None, str]]:
+    """(id, data) of every event, checking the framing on the way: OpenAI's (``data:`` lines alone, as parsers
+    that split on blank lines and strip ``data: `` expect), or with ``X-Resumable`` an ``id:`` line first."""
+    headers = AUTH | ({"X-Resumable": "1"} if resumable else {})
     async with aiohttp.ClientSession() as session:
-        async with session.post(url, json=body, headers=AUTH) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             assert response.status == 200
             assert response.headers["Content-Type"].startswith("text/event-stream")
+            request_id = response.headers["X-Request-Id"]
             raw = (await response.read()).decode()
     assert raw.endswith("\n\n")
     events = []
     for block in raw[:-2].split("\n\n"):
         lines = block.split("\n")
-        assert len(lines) == 2 and lines[0].startswith("id: ") and lines[1].startswith("data: "), block
-        events.append((lines[0][4:], lines[1][6:]))
-    request_id = json.loads(events[0][1])["id"]  # ids are <request id>:<k>, what Last-Event-ID resumes from
-    assert [e[0] for e in events] == [f"{request_id}:{i}" for i in range(len(events))]
+        if resumable:
+            assert len(lines) == 2 and lines[0].startswith("id: ") and lines[1].startswith("data: "), block
+            events.append((lines[0][4:], lines[1][6:]))
+        else:
+            assert len(lines) == 1 and lines[0].startswith("data: "), block
+            events.append((None, lines[0][6:]))
+    assert json.loads(events[0][1])["id"] == request_id
+    if resumable:  # ids are <request id>:<k>, what Last-Event-ID resumes from
+        assert [e[0] for e in events] == [f"{request_id}:{i}" for i in range(len(events))]
     assert events[-1][1] == "[DONE]"
     return events
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "The paged KV cache", "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}),
+])
+def test_sse_framing_is_openais_unless_the_client_asks_for_ids(stack: LocalStack, route, body) -> None:
+    body = {"model": MODEL_NAME, "stream": True, "temperature": 0.0, **body}
+    plain = asyncio.run(sse(stack.url + route, body))
+    with_ids = asyncio.run(sse(stack.url + route, body, resumable=True))
+    strip = [(json.loads(d).get("choices") if d != "[DONE]" else d) for _, d in plain]
+    assert strip == [(json.loads(d).get("choices") if d != "[DONE]" else d) for _, d in with_ids]
 
 
 def test_completion_matches_transformers(stack: LocalStack, tokenizer, hf_greedy) -> None:

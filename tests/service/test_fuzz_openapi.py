@@ -52,6 +52,8 @@ def serve(tokenizer, port: int, started: threading.Event, stop: asyncio.Event) -
         # No fault hooks: a fuzzed prompt such as "1" starts with a hook's token, and the engine failures
         # it would inject (500, then the worker's exit after repeated failed steps) are not the API's.
         async with running(memory_worker(bus, FakeEngine(faults=False))):
+            while not gateway.served.live_engines():  # the first case may be a valid request: serve it
+                await asyncio.sleep(0.01)
             started.set()
             await stop.wait()
         await runner.cleanup()

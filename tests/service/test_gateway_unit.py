@@ -35,7 +35,7 @@ async def sse_data(client: TestClient, body: dict[str, Any]) -> list[str]:
     response = await client.post("/v1/completions", json={**body, "stream": True})
     assert response.status == 200
     raw = (await response.read()).decode()
-    return [block.split("\n")[1][len("data: "):] for block in raw.strip().split("\n\n")]
+    return [block[len("data: "):] for block in raw.strip().split("\n\n") if block.startswith("data: ")]
 
 
 async def test_completion_whole_and_streamed(client_and_bus, demo_engine) -> None:
@@ -49,6 +49,23 @@ async def test_completion_whole_and_streamed(client_and_bus, demo_engine) -> Non
     assert events[-1] == "[DONE]"
     streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert streamed == whole["choices"][0]["text"]
+
+
+async def test_a_quiet_stream_sends_keep_alive_comments(tokenizer) -> None:
+    """While no event flows (a slow step), ': keep-alive' comments keep proxies from cutting the stream; the
+    events between them are whole, with OpenAI's framing."""
+    bus = MemoryBus()
+    config = GatewayConfig(engine_poll_s=0.05, sse_keepalive_s=0.05)
+    async with gateway_client(config, tokenizer, bus) as client:
+        async with running(memory_worker(bus, FakeEngine(step_s=0.3))):
+            await asyncio.wait_for(ready(client), 5)
+            response = await client.post("/v1/completions", json={**GREEDY, "prompt": "p", "max_tokens": 3,
+                                                                   "stream": True})
+            raw = (await response.read()).decode()
+    blocks = raw.strip().split("\n\n")
+    assert ": keep-alive" in blocks and blocks[-1] == "data: [DONE]"
+    data = [b for b in blocks if b != ": keep-alive"]
+    assert all(b.startswith("data: ") and "\n" not in b for b in data) and len(data) == 3 + 1  # 3 tokens, [DONE]
 
 
 async def test_engine_error_reaches_the_client(client_and_bus) -> None:

@@ -157,7 +157,7 @@ async def test_error_after_the_stream_started_ends_it(served, monkeypatch) -> No
     monkeypatch.setattr(responses, "completion_choice", broken)
     response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     raw = (await response.read()).decode()
-    events = [block.split("\n")[1][len("data: "):] for block in raw.strip().split("\n\n")]
+    events = [block[len("data: "):] for block in raw.strip().split("\n\n")]
     assert response.status == 200 and events[-1] == "[DONE]"
     assert '"error"' in events[-2] and "request id" in events[-2] and "secret" not in raw
 

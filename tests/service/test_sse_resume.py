@@ -28,7 +28,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
 
 
 def headers(key: str = API_KEY, last: str | None = None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} | ({"Last-Event-ID": last} if last else {})
+    """A resuming client's: it asks for the events' ids (``X-Resumable``)."""
+    return {"Authorization": f"Bearer {key}", "X-Resumable": "1"} | ({"Last-Event-ID": last} if last else {})
 
 
 @asynccontextmanager
@@ -156,7 +157,7 @@ def test_the_openapi_document_describes_resuming() -> None:
     assert {p["name"] for p in resume["parameters"]} == {"request_id", "Last-Event-ID"}
     assert "stream_not_found" in resume["responses"]["404"]["description"]
     for route in ("/v1/chat/completions", "/v1/completions"):
-        assert [p["name"] for p in paths[route]["post"]["parameters"]] == ["Last-Event-ID"]
+        assert [p["name"] for p in paths[route]["post"]["parameters"]] == ["Last-Event-ID", "X-Resumable"]
 
 
 async def test_a_second_resume_on_one_gateway_ends_the_first_with_an_error(redis_url, tokenizer) -> None:

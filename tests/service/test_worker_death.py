@@ -51,7 +51,7 @@ async def test_killed_workers_fail_their_requests(stack: LocalStack, demo_model:
             for worker in stack.workers:
                 stack.kill(worker)
             rest = (await asyncio.wait_for(stream.read(), 30)).decode()
-            events = [block.split("\n")[1][len("data: "):] for block in rest.strip().split("\n\n")]
+            events = [block[len("data: "):] for block in rest.strip().split("\n\n")]
             assert events[-1] == "[DONE]"
             assert re.fullmatch(LOST, json.loads(events[-2])["error"]["message"])
             response = await asyncio.wait_for(plain, 30)
