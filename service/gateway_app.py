@@ -41,6 +41,7 @@ def _add_routes(router: web.UrlDispatcher, gateway: Gateway, status: Status) -> 
     router.add_post("/tokenize", gateway.tokenize)
     router.add_post("/detokenize", gateway.detokenize)
     router.add_get("/v1/models", status.models)
+    router.add_get("/v1/models/{model}", status.model)
     router.add_get("/health", status.health)
     router.add_get("/ready", status.ready)
     router.add_get("/metrics", status.metrics)
@@ -79,13 +80,22 @@ def _errors(metrics: GatewayMetrics) -> Middleware:
             return answer(exc)
         except BodyTimeout as exc:  # the body trickled in too slowly: the connection closes after this
             return answer(APIError(408, str(exc), code="request_timeout", headers={"Connection": "close"}))
+        except web.HTTPNotFound:  # no such route
+            return answer(APIError(404, _unknown_route(request), code="not_found"))
         except web.HTTPException as exc:  # routing errors, 413 from aiohttp's body limit
-            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+            code = {405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
             return answer(APIError(exc.status, exc.text or exc.reason, code=code, headers=allow))
         except Exception:
             return answer(internal_error(f"unhandled error on {request.path}"))
     return errors
+
+
+def _unknown_route(request: web.Request) -> str:
+    """A 404 that names the route asked for and the API routes served (the dashboard's pages left out)."""
+    served = sorted({f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                     if r.method != "HEAD" and r.resource.canonical.startswith("/v1/")})
+    return f"Unknown route: {request.method} {request.path}. This server serves: {', '.join(served)}"
 
 
 def _cors(origins: tuple[str, ...]) -> Middleware:

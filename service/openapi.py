@@ -284,6 +284,13 @@ def _get_op(summary: str, content_type: str = "application/json",
     return {"get": {"summary": summary, "responses": ok | _errors(errors or {})}}
 
 
+def _model_op(model_name: str) -> dict[str, Any]:
+    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "enum": [model_name]}}
+    op = _get_op("The served model's card", errors={"404": "model_not_found: not the served model"})
+    op["get"]["parameters"] = [model]
+    return op
+
+
 def _kv_snapshot_op() -> dict[str, Any]:
     engine = {"name": "engine", "in": "query", "required": False, "schema": {"type": "string"},
               "description": "a live engine's id (default: the first); the answer lists them"}
@@ -341,15 +348,16 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
     config = config or GatewayConfig()
     chat, completion = (_with_server_caps(p, model_name, config) for p in (_CHAT, _COMPLETION))
     paths = {
-        "/v1/chat/completions": _generation_op("Chat completion", chat, ["model", "messages"],
+        "/v1/chat/completions": _generation_op("Chat completion", chat, ["messages"],
                                                _generation_rules(config, chat=True)),
-        "/v1/completions": _generation_op("Text completion", completion, ["model", "prompt"],
+        "/v1/completions": _generation_op("Text completion", completion, ["prompt"],
                                           _generation_rules(config, chat=False)),
         "/v1/streams/{request_id}": _resume_op(),
         "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
                               _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
         "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),
         "/v1/models": _get_op("The served model"),
+        "/v1/models/{model}": _model_op(model_name),
         "/health": _get_op("Process alive"),
         "/ready": _get_op("Redis reachable and an engine heartbeat fresh",
                           errors={"503": "{status: unavailable, reason}: not ready, and why"}),

@@ -56,7 +56,7 @@ class GenerationRequest:
     """A validated request; ``params.max_tokens`` is None until the prompt's length is known."""
 
     chat: bool
-    model: str
+    model: str | None  # None: the served model
     params: SamplingParams
     messages: list[dict[str, Any]] = field(default_factory=list)
     # Completions: every prompt of the body, one engine request each; ``prompt`` is the one this request runs.
@@ -207,9 +207,7 @@ def parse_completion(body: Any, config: GatewayConfig) -> GenerationRequest:
 
 def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_tokens: int | None,
                   logprobs: int | None, tools: ToolRequest | None = None, echo: bool = False) -> GenerationRequest:
-    model = _get(body, "model", str, None)
-    if model is None:
-        raise APIError(400, "'model' is required", param="model")
+    model = _get(body, "model", str, None)  # absent: the served model (as vLLM serves its one model)
     n = _read(body, _PARAMS["n"])
     _check_cap("n", n, config.max_n)
     if logprobs is not None:

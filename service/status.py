@@ -38,10 +38,17 @@ class Status:
         return web.json_response({"status": "ready", "engines": len(self._served.live_engines())})
 
     async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, http: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the card of the served model (the SDK's ``models.retrieve``), else a 404."""
+        self._served.check_name(http.match_info["model"])
+        return web.json_response(self._card())
+
+    def _card(self) -> dict:
         name = self._served.name
-        card = {"id": name, "object": "model", "created": self._created, "owned_by": "pagedserve", "root": name,
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "pagedserve", "root": name,
                 "max_model_len": self._served.context_len()}
-        return web.json_response({"object": "list", "data": [card]})
 
     async def metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})

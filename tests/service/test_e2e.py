@@ -168,6 +168,23 @@ def test_openai_client_async(stack: LocalStack) -> None:
     asyncio.run(run())
 
 
+def test_models_retrieve_a_default_model_and_unknown_routes(stack: LocalStack) -> None:
+    """The SDK's models.retrieve; a body without 'model' runs on the served model (vLLM's rule); an unknown
+    route's 404 names it and the routes served."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY)
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("another-model")
+    assert missing.value.body["code"] == "model_not_found"
+    status, completion = asyncio.run(post(f"{stack.url}/v1/completions", {"prompt": "abc", "max_tokens": 2}))
+    assert status == 200 and completion["model"] == MODEL_NAME and completion["usage"]["completion_tokens"] == 2
+    status, body = get_json(f"{stack.url}/v1/embeddings")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    message = body["error"]["message"]
+    assert "GET /v1/embeddings" in message and "POST /v1/chat/completions" in message and "GET /v1/models" in message
+
+
 def test_requests_across_two_gateways_and_two_workers(stack: LocalStack) -> None:
     async def run() -> list[dict]:
         bodies = [{"model": MODEL_NAME, "prompt": f"request {i}", "max_tokens": 6, "ignore_eos": True,
