@@ -53,6 +53,10 @@ class OutputAssembler:
     def finish_reason(self, index: int) -> str | None:
         return self._choices[index].finish_reason
 
+    def matched_stop(self, index: int) -> str | None:
+        """The stop string that ended the choice (None: it ended otherwise, or runs on)."""
+        return self._choices[index].stops.matched
+
     def apply(self, deltas: list[ChoiceDelta]) -> list[ChoiceUpdate]:
         """Updates for the choices these deltas touch; choices already ended
         (e.g. by a stop string while the engine kept going) ignore theirs."""

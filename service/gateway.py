@@ -24,8 +24,8 @@ from service.limits import KeyLimits
 from service.messages import RequestMsg, StreamRecord, params_to_wire
 from service.metrics import GatewayMetrics
 from service.prompts import Prompts
-from service.protocol import (GenerationRequest, check_context, parse_chat, parse_completion, parse_detokenize,
-                              parse_json, parse_tokenize)
+from service.protocol import (GenerationRequest, TokenizeRequest, check_context, parse_chat, parse_completion,
+                              parse_detokenize, parse_json, parse_tokenize)
 from service.resume import Resumes, new_request_id, parse_event_id
 from service.served_model import ServedModel
 from service.server_errors import unavailable
@@ -72,14 +72,18 @@ class Gateway:
 
     async def _generate(self, http: web.Request, req: GenerationRequest, body: bytes,
                         start: float) -> web.StreamResponse:
+        await self.check(http, req)
+        async with AsyncExitStack() as admitted:
+            runs = [await admitted.enter_async_context(self.admitted(http, one, one_body, start))
+                    for one, one_body in _engine_requests(req, body)]
+            return await serve_runs(runs)
+
+    async def check(self, http: web.Request, req: GenerationRequest) -> None:
+        """The rules a parsed request meets before it is admitted (the context length comes with its tokens)."""
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages if req.chat else None, req.tools, req.prompts, self.served.context_len())
         check_tool_parser(req.tools, self.config.tool_call_parser)
         await self._check_structured_output(http, req)
-        async with AsyncExitStack() as admitted:
-            runs = [await admitted.enter_async_context(self._admitted(http, one, one_body, start))
-                    for one, one_body in _engine_requests(req, body)]
-            return await serve_runs(runs)
 
     async def _check_structured_output(self, http: web.Request, req: GenerationRequest) -> None:
         """Compiles the schema / regex / grammar once (cached) on the tokenizer threads: a bad one is a 400
@@ -93,7 +97,7 @@ class Gateway:
             raise APIError(400, str(exc), param=req.structured_output_param) from None
 
     @asynccontextmanager
-    async def _admitted(self, http: web.Request, req: GenerationRequest, body: bytes,
+    async def admitted(self, http: web.Request, req: GenerationRequest, body: bytes,
                         start: float) -> AsyncIterator[Run]:
         """One engine request from admission to its end: tokenized and checked, then queued with the key's
         slot held. The admission owns what it took: leaving gives the slot back and ends the run (the reply
@@ -149,11 +153,14 @@ class Gateway:
 
     # ---- /tokenize, /detokenize (vLLM's) -------------------------------------
     async def tokenize(self, http: web.Request) -> web.Response:
-        req = parse_tokenize(parse_json(await http.read()))
+        ids = await self.token_ids(http, parse_tokenize(parse_json(await http.read())))
+        return web.json_response({"count": len(ids), "max_model_len": self.served.context_len(), "tokens": ids})
+
+    async def token_ids(self, http: web.Request, req: TokenizeRequest) -> list[int]:
+        """A prompt's or a conversation's token ids, through the chat template as a generation would have them."""
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages, req.tools, [req.prompt], self.served.context_len())
-        ids = await self.threads.run(http, self.prompts.encode_tokenize, req, bounded=True)
-        return web.json_response({"count": len(ids), "max_model_len": self.served.context_len(), "tokens": ids})
+        return await self.threads.run(http, self.prompts.encode_tokenize, req, bounded=True)
 
     async def detokenize(self, http: web.Request) -> web.Response:
         model, ids = parse_detokenize(parse_json(await http.read()))

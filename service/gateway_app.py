@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from service import dashboard
+from service import anthropic_api, dashboard, messages_route
 from service.broker_api import GatewayBroker
 from service.connections import BodyTimeout, Handler, track_requests
 from service.errors import APIError
@@ -37,6 +37,9 @@ def build_app(gateway: Gateway) -> web.Application:
 def _add_routes(router: web.UrlDispatcher, gateway: Gateway, status: Status) -> None:
     router.add_post("/v1/chat/completions", gateway.chat_completions)
     router.add_post("/v1/completions", gateway.completions)
+    messages = messages_route.MessagesRoute(gateway)
+    router.add_post("/v1/messages", messages.create)
+    router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     router.add_get("/v1/streams/{request_id}", gateway.resumes.stream)
     router.add_post("/tokenize", gateway.tokenize)
     router.add_post("/detokenize", gateway.detokenize)
@@ -67,13 +70,15 @@ def _threads_lifetime(threads: TokenizerThreads) -> Lifetime:
 
 
 def _errors(metrics: GatewayMetrics) -> Middleware:
-    """Every error as OpenAI's error body (an unexpected one as a 500 that names only a request id), counted."""
-    def answer(exc: APIError) -> web.Response:
-        metrics.errors.labels(str(exc.status)).inc()
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-
+    """Every error as its API's error body (OpenAI's; Anthropic's on the Messages routes; an unexpected one as a
+    500 that names only a request id), counted."""
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        def answer(exc: APIError) -> web.Response:
+            metrics.errors.labels(str(exc.status)).inc()
+            body = anthropic_api.error_body(exc) if request.path in messages_route.PATHS else exc.body()
+            return web.json_response(body, status=exc.status, headers=exc.headers)
+
         try:
             return await handler(request)
         except APIError as exc:
@@ -110,7 +115,8 @@ def _cors(origins: tuple[str, ...]) -> Middleware:
         if allowed and not response.prepared:
             response.headers["Access-Control-Allow-Origin"] = origin
             # A browser client may resume a stream (Last-Event-ID, X-Resumable) and read its token (X-Request-Id).
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, Last-Event-ID, X-Resumable"
+            response.headers["Access-Control-Allow-Headers"] = ("Authorization, Content-Type, Last-Event-ID, X-Resumable, "
+                                                                "x-api-key, anthropic-version")
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             response.headers["Vary"] = "Origin"

@@ -278,6 +278,39 @@ def _post_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any
             "application/json": {}}}, **_errors(_TOKENIZER_ERRORS)}}}
 
 
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+_BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}}
+_ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["user", "assistant"]}, "content": {"type": ["string", "array"], "items": _BLOCKS["items"]}}}
+
+
+def _messages_schema(model_name: str, count_only: bool) -> dict[str, Any]:
+    """Anthropic's Messages body as this server takes it (service.anthropic_api)."""
+    properties = {
+        "model": {"enum": [model_name]}, "messages": {"type": "array", "minItems": 1, "items": _ANTHROPIC_MESSAGE},
+        "system": {"type": ["string", "array"], "items": _BLOCKS["items"]},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"]}},
+        "tool_choice": {"type": "object", "required": ["type"],
+                        "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}}}
+    if not count_only:
+        properties |= {"max_tokens": {"type": "integer", "minimum": 1}, "stream": {"type": "boolean"},
+                       "stop_sequences": {"type": "array", "items": {"type": "string"}},
+                       "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number"},
+                       "top_k": {"type": "integer"}, "output_config": {"type": "object"}}
+    return {"type": "object", "required": ["messages"] if count_only else ["max_tokens", "messages"],
+            "properties": properties}
+
+
+def _messages_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ANTHROPIC_ERROR}}}
+              for code, text in _GENERATION_ERRORS.items()}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
+            "application/json": {}, "text/event-stream": {}}}, **errors}}}
+
+
 def _get_op(summary: str, content_type: str = "application/json",
             errors: dict[str, str] | None = None) -> dict[str, Any]:
     ok = {"200": {"description": "OK", "content": {content_type: {}}}}
@@ -353,6 +386,11 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
         "/v1/completions": _generation_op("Text completion", completion, ["prompt"],
                                           _generation_rules(config, chat=False)),
         "/v1/streams/{request_id}": _resume_op(),
+        "/v1/messages": _messages_op("Anthropic Messages: a message, or its stream of events",
+                                     _messages_schema(model_name, count_only=False),
+                                     "a message, or a text/event-stream of Anthropic's events"),
+        "/v1/messages/count_tokens": _messages_op("Anthropic Messages: the input's token count",
+                                                  _messages_schema(model_name, count_only=True), "{input_tokens}"),
         "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
                               _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
         "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -318,23 +318,45 @@ async def serve_runs(runs: list[Run]) -> web.StreamResponse:
 
 async def stream_runs(runs: list[Run]) -> web.StreamResponse:
     """One SSE stream: the runs' chunks one run after the other (the engine runs them all at once; the
-    later ones' events wait in their queues), then the summed usage."""
+    later ones' events wait in their queues), then the summed usage, then ``data: [DONE]``."""
     first = runs[0]
     sse = _SSEWriter(_sse_response(first), first.request_id,
                      -1 if first.skip_through is None else first.skip_through, _wants_event_ids(first))
+    return await _serve_events(runs, sse, _chunks_of(runs), lambda exc: (None, exc.body()), done_marker=True)
+
+
+async def stream_events(run: Run, events: AsyncIterator[tuple[str, dict[str, Any]]],
+                        error_event: Callable[[APIError], tuple[str, dict[str, Any]]]) -> web.StreamResponse:
+    """One run's stream in another API's shape: ``events`` (made of its chunks) are named SSE events (``event:``
+    then ``data:``), an error after the 200 is that API's error event, and no ``[DONE]`` ends it."""
+    sse = _SSEWriter(_sse_response(run), run.request_id, -1, False)
+    return await _serve_events([run], sse, events, error_event, done_marker=False)
+
+
+async def _chunks_of(runs: list[Run]) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
+    first = runs[0]
+    for k, run in enumerate(runs):
+        async for chunk in run.chunks():
+            chunk["id"] = first.request_id
+            for choice in chunk["choices"]:
+                choice["index"] += k * run.req.params.n
+            yield None, chunk
+    if first.req.include_usage:
+        yield None, first.chunk([], responses.sum_usage([run.usage() for run in runs]))
+
+
+async def _serve_events(runs: list[Run], sse: _SSEWriter, events: AsyncIterator[tuple[str | None, dict[str, Any]]],
+                        error_event: Callable[[APIError], tuple[str | None, dict[str, Any]]],
+                        done_marker: bool) -> web.StreamResponse:
+    first = runs[0]
     try:
         # Validation is done and the requests are queued, so the 200 can go out now.
         await sse.start(first.http, first.serving.config.sse_keepalive_s)
-        for k, run in enumerate(runs):
-            async for chunk in run.chunks():
-                chunk["id"] = first.request_id
-                for choice in chunk["choices"]:
-                    choice["index"] += k * run.req.params.n
-                await sse.send(chunk)
-        if first.req.include_usage:
-            await sse.send(first.chunk([], responses.sum_usage([run.usage() for run in runs])))
+        async for name, body in events:
+            await sse.send(body, name)
     except APIError as exc:
-        await sse.send(exc.body())
+        name, body = error_event(exc)
+        await sse.send(body, name)
     except (ClientGone, ConnectionResetError):
         _client_gone(runs)
         sse.stop()
@@ -344,8 +366,9 @@ async def stream_runs(runs: list[Run]) -> web.StreamResponse:
         sse.stop()
         raise
     except Exception:  # the 200 is out: the error can only be the stream's last event
-        await sse.send(internal_error(f"stream of {first.request_id} failed", first.request_id).body())
-    await sse.done()
+        name, body = error_event(internal_error(f"stream of {first.request_id} failed", first.request_id))
+        await sse.send(body, name)
+    await sse.done(done_marker)
     return sse.response
 
 
@@ -389,11 +412,12 @@ class _SSEWriter:
         if keepalive_s > 0:
             self._keepalive = asyncio.create_task(self._keep_alive(keepalive_s))
 
-    async def send(self, body: dict[str, Any]) -> None:
-        await self._write(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
+    async def send(self, body: dict[str, Any], event: str | None = None) -> None:
+        await self._write(json.dumps(body, separators=(",", ":"), ensure_ascii=False), event)
 
-    async def done(self) -> None:
-        await self._write("[DONE]")
+    async def done(self, marker: bool = True) -> None:
+        if marker:
+            await self._write("[DONE]")
         self.stop()
         await self.response.write_eof()
 
@@ -401,11 +425,12 @@ class _SSEWriter:
         if self._keepalive is not None:
             self._keepalive.cancel()
 
-    async def _write(self, data: str) -> None:
+    async def _write(self, data: str, event: str | None = None) -> None:
         k, self._next_id = self._next_id, self._next_id + 1
         if k > self.skip_through:
             event_id = f"id: {self.request_id}:{k}\n" if self.event_ids else ""
-            await self._send(f"{event_id}data: {data}\n\n".encode("utf-8"))
+            name = f"event: {event}\n" if event else ""
+            await self._send(f"{event_id}{name}data: {data}\n\n".encode("utf-8"))
 
     async def _send(self, payload: bytes) -> None:
         async with self._lock:

@@ -31,7 +31,8 @@ class Tenancy:
         if self._keys and request.path not in PUBLIC_PATHS:
             request[_API_KEY] = self._matching_key(request)
             if request[_API_KEY] is None:
-                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                    "'x-api-key: <key>')",
                                code="invalid_api_key")
             if request.path == "/metrics" and self._admin_keys and not self.is_admin(request):
                 raise APIError(403, "the metrics are totals over every tenant: they need an admin key",
@@ -39,7 +40,10 @@ class Tenancy:
         return await handler(request)
 
     def _matching_key(self, request: web.Request) -> str | None:
+        """The key of ``Authorization: Bearer <key>``, or of Anthropic's ``x-api-key: <key>``."""
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if not given and "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         try:
             given_bytes = given.strip().encode()
         except UnicodeEncodeError:  # undecodable header bytes (surrogates): no key matches them

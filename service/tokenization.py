@@ -96,7 +96,7 @@ class StopStringFilter:
     so that text which a stop string will trim is never sent.
     """
 
-    __slots__ = ("_stops", "_include_stop", "_longest", "_holdback", "text", "_sent", "stopped")
+    __slots__ = ("_stops", "_include_stop", "_longest", "_holdback", "text", "_sent", "stopped", "matched")
 
     def __init__(self, stops: list[str], include_stop: bool) -> None:
         self._stops = stops
@@ -106,6 +106,7 @@ class StopStringFilter:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def watching(self) -> bool:
@@ -128,4 +129,4 @@ class StopStringFilter:
             return
         pos, stop = min(hits)
         self.text = self.text[:pos + len(stop) if self._include_stop else pos]
-        self.stopped = True
+        self.stopped, self.matched = True, stop

@@ -77,7 +77,11 @@ def check_call(case, base_url: str) -> None:
     response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert response.status_code < 500, (case.body, response.text[:500])
     if response.status_code >= 400:
-        error = response.json()["error"]
+        body = response.json()
+        if case.path.startswith("/v1/messages"):  # Anthropic's shape
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text
+            return
+        error = body["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
 
 
