@@ -28,7 +28,7 @@ from service.protocol import GenerationRequest
 from service.reasoning import ReasoningStream
 from service.server_errors import internal_error, unavailable
 from service.tokenizer_threads import TokenizerThreads
-from service.tool_parsers import PARSERS, ForcedCallParser, MessageStream, ToolCallStream, merge
+from service.tool_parsers import ForcedCallParser, MessageStream, ToolCallStream, make_parser, merge
 
 T = TypeVar("T")
 # A choice's update with its logprobs in the endpoint's shape (None when not asked for or none came).
@@ -277,7 +277,7 @@ class Run:
         if tools is not None and tools.forced:
             parser = ForcedCallParser(tools.name)
         elif tools is not None and tools.choice == "auto":
-            parser = PARSERS[config.tool_call_parser]()
+            parser = make_parser(config.tool_call_parser, tools.tools)
         name = config.reasoning_parser
         thinking = self.req.chat_template_kwargs.get("enable_thinking", True) is not False
         reasoning = ReasoningStream(name, thinking) if name else None

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -73,6 +74,24 @@ def _partial_tag(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
+def _tagged_calls(text: str, final: bool, open_tag: str, close_tag: str,
+                  parse: Callable[[str], ToolCall | None]) -> tuple[list[Any], int]:
+    """``split`` for calls each between ``open_tag`` and ``close_tag``, content around them: ``parse`` reads a
+    call's inside (None: not a call, and the tagged text stays content)."""
+    pieces: list[Any] = []
+    i = 0
+    while (begin := text.find(open_tag, i)) >= 0:
+        pieces.append(text[i:begin])
+        end = text.find(close_tag, begin)
+        if end < 0:  # still open: the call waits for its end, or is content if it never comes
+            return (pieces + [text[begin:]], len(text)) if final else (pieces, begin)
+        i = end + len(close_tag)
+        call = parse(text[begin + len(open_tag):end])
+        pieces.append(call if call is not None else text[begin:i])
+    held = 0 if final else _partial_tag(text[i:], open_tag)
+    return pieces + [text[i:len(text) - held]], len(text) - held
+
+
 class HermesParser:
     """Qwen2.5 / Qwen3 / Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, any
     number of them, with content around."""
@@ -80,18 +99,54 @@ class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
-        pieces: list[Any] = []
-        i = 0
-        while (begin := text.find(self.OPEN, i)) >= 0:
-            pieces.append(text[i:begin])
-            end = text.find(self.CLOSE, begin)
-            if end < 0:  # still open: the call waits for its end, or is content if it never comes
-                return (pieces + [text[begin:]], len(text)) if final else (pieces, begin)
-            i = end + len(self.CLOSE)
-            calls = _json_calls(text[begin + len(self.OPEN):end], "arguments")
-            pieces += calls if calls and len(calls) == 1 else [text[begin:i]]
-        held = 0 if final else _partial_tag(text[i:], self.OPEN)
-        return pieces + [text[i:len(text) - held]], len(text) - held
+        return _tagged_calls(text, final, self.OPEN, self.CLOSE, self._call)
+
+    @staticmethod
+    def _call(inside: str) -> ToolCall | None:
+        calls = _json_calls(inside, "arguments")
+        return calls[0] if calls and len(calls) == 1 else None
+
+
+class Qwen3CoderParser:
+    """Qwen3-Coder's XML calls: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...
+    </function>\\n</tool_call>``. A value is raw text: its type comes from the tool's JSON schema (a string stays
+    text; numbers, booleans, objects and arrays are read as JSON, and stay text when they do not parse)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def __init__(self, tools: list[dict[str, Any]] = ()) -> None:
+        self._properties = {t["name"]: (t.get("parameters") or {}).get("properties") or {} for t in tools}
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        return _tagged_calls(text, final, self.OPEN, self.CLOSE, self._call)
+
+    def _call(self, inside: str) -> ToolCall | None:
+        function = self._FUNCTION.fullmatch(inside)
+        if function is None:
+            return None
+        name, body = function[1].strip(), function[2]
+        properties = self._properties.get(name, {})
+        args = {key.strip(): _typed(value, properties.get(key.strip(), {}))
+                for key, value in self._PARAMETER.findall(body)}
+        if self._PARAMETER.sub("", body).strip():  # text outside the parameters: not this format
+            return None
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _typed(value: str, schema: dict[str, Any]) -> Any:
+    """A parameter's raw text as its schema's type says: text for a string (or a string enum's member), JSON for
+    the other types (``True``/``False`` too, as Python spells them); text again where that does not parse."""
+    kind = schema.get("type")
+    if kind == "string" or value in schema.get("enum", ()):
+        return value
+    if kind == "boolean" and value.strip() in ("True", "False"):
+        return value.strip() == "True"
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 class Llama3JsonParser:
@@ -207,7 +262,13 @@ class ForcedCallParser:
         return len(text)
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+                             "qwen3_coder": Qwen3CoderParser}
+
+
+def make_parser(name: str, tools: list[dict[str, Any]]) -> ToolParser:
+    """The parser ``name`` (``--tool-call-parser``); the XML format reads its values' types off ``tools``."""
+    return Qwen3CoderParser(tools) if name == "qwen3_coder" else PARSERS[name]()
 
 
 def call_id(seed: str, index: int) -> str:

@@ -5,14 +5,28 @@ from __future__ import annotations
 import json
 import random
 import re
+from functools import partial
 
 import pytest
 
 from service.reasoning import ReasoningStream
 from service.tool_parsers import (PARSERS, ForcedCallParser, HermesParser, Llama3JsonParser, MessageStream,
-                                  MistralParser, ToolCallStream, call_id, extract, merge)
+                                  MistralParser, Qwen3CoderParser, ToolCallStream, call_id, extract, make_parser,
+                                  merge)
 
 H = '<tool_call>\n{{"name": "{0}", "arguments": {1}}}\n</tool_call>'
+# Qwen3-Coder's XML calls; a value's type comes from its tool's schema.
+Q_TOOLS = [{"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "dry": {"type": "boolean"},
+    "opts": {"type": "object"}, "tags": {"type": "array"}, "code": {"type": "string"}}}}]
+QWEN3_CODER = partial(Qwen3CoderParser, Q_TOOLS)
+
+
+def q(name: str, **params: str) -> str:
+    inside = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{inside}</function>\n</tool_call>"
+
+
 CASES = [  # parser, text, expected content, expected [(name, arguments)]
     (HermesParser, "Plain answer, no calls.", "Plain answer, no calls.", []),
     (HermesParser, H.format("get_weather", '{"city": "Zürich"}'), None, [("get_weather", {"city": "Zürich"})]),
@@ -35,6 +49,16 @@ CASES = [  # parser, text, expected content, expected [(name, arguments)]
     (MistralParser, '[TOOL_CALLS]a[ARGS]{"n": 1}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"n": 1}), ("b", {})]),
     (MistralParser, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
     (MistralParser, "ends with [TOOL", "ends with [TOOL", []),
+    (QWEN3_CODER, "I will edit it.\n" + q("edit", path="007.py", line="12", dry="True", opts='{"a": 1}',
+                                          tags='["x"]', code="def f():\n    return 1"),
+     "I will edit it.", [("edit", {"path": "007.py", "line": 12, "dry": True, "opts": {"a": 1}, "tags": ["x"],
+                                   "code": "def f():\n    return 1"})]),
+    (QWEN3_CODER, q("edit", line="twelve") + "\n" + q("other", n="3", s="hi"), None,
+     [("edit", {"line": "twelve"}), ("other", {"n": 3, "s": "hi"})]),  # no parse: text; no schema: JSON or text
+    (QWEN3_CODER, "<tool_call>\n<function=edit>\nstray text\n</function>\n</tool_call>",
+     "<tool_call>\n<function=edit>\nstray text\n</function>\n</tool_call>", []),
+    (QWEN3_CODER, "<tool_call>\n<function=edit>\n<parameter=path>\na.py", "<tool_call>\n<function=edit>\n"
+     "<parameter=path>\na.py", []),  # unterminated
 ]
 
 
@@ -122,7 +146,10 @@ def test_forced_call_cut_short_keeps_its_partial_arguments() -> None:
 
 
 def test_registry() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder"}
+    assert isinstance(make_parser("hermes", Q_TOOLS), HermesParser)
+    # The gateway's parser for a request reads the request's tools: "12" is an integer for edit's line.
+    assert _calls(extract(make_parser("qwen3_coder", Q_TOOLS), q("edit", line="12"))[1]) == [("edit", {"line": 12})]
 
 
 def test_reasoning_then_tool_calls() -> None:
