@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from service import anthropic_api, dashboard, messages_route
+from service import anthropic_api, api_routes, dashboard
 from service.broker_api import GatewayBroker
 from service.connections import BodyTimeout, Handler, track_requests
 from service.errors import APIError
@@ -37,9 +37,10 @@ def build_app(gateway: Gateway) -> web.Application:
 def _add_routes(router: web.UrlDispatcher, gateway: Gateway, status: Status) -> None:
     router.add_post("/v1/chat/completions", gateway.chat_completions)
     router.add_post("/v1/completions", gateway.completions)
-    messages = messages_route.MessagesRoute(gateway)
-    router.add_post("/v1/messages", messages.create)
-    router.add_post("/v1/messages/count_tokens", messages.count_tokens)
+    translated = api_routes.TranslatedRoutes(gateway)
+    router.add_post("/v1/messages", translated.messages)
+    router.add_post("/v1/messages/count_tokens", translated.count_tokens)
+    router.add_post("/v1/responses", translated.responses)
     router.add_get("/v1/streams/{request_id}", gateway.resumes.stream)
     router.add_post("/tokenize", gateway.tokenize)
     router.add_post("/detokenize", gateway.detokenize)
@@ -76,7 +77,7 @@ def _errors(metrics: GatewayMetrics) -> Middleware:
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         def answer(exc: APIError) -> web.Response:
             metrics.errors.labels(str(exc.status)).inc()
-            body = anthropic_api.error_body(exc) if request.path in messages_route.PATHS else exc.body()
+            body = anthropic_api.error_body(exc) if request.path in api_routes.ANTHROPIC_PATHS else exc.body()
             return web.json_response(body, status=exc.status, headers=exc.headers)
 
         try:

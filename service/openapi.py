@@ -303,12 +303,33 @@ def _messages_schema(model_name: str, count_only: bool) -> dict[str, Any]:
             "properties": properties}
 
 
-def _messages_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ANTHROPIC_ERROR}}}
+def _translated_op(summary: str, schema: dict[str, Any], answer: str, error: dict[str, Any]) -> dict[str, Any]:
+    """An API translated onto the chat path: its body, its answer (whole or streamed), its errors' shape."""
+    errors = {code: {"description": text, "content": {"application/json": {"schema": error}}}
               for code, text in _GENERATION_ERRORS.items()}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
             "application/json": {}, "text/event-stream": {}}}, **errors}}}
+
+
+_INPUT_ITEM = {"type": "object", "properties": {
+    "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+    "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": {"type": ["string", "array"]}}}
+
+
+def _responses_schema(model_name: str) -> dict[str, Any]:
+    """OpenAI's Responses body as this server takes it (service.responses_api)."""
+    return {"type": "object", "required": ["input"], "properties": {
+        "model": {"enum": [model_name]}, "input": {"type": ["string", "array"], "minItems": 1, "items": _INPUT_ITEM},
+        "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number"},
+        "stream": {"type": "boolean"}, "parallel_tool_calls": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"],
+                                             "properties": {"type": {"const": "function"}}}},
+        "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object",
+                                                                          "required": ["type", "name"]}]},
+        "text": {"type": "object"}, "store": {"type": "boolean"},
+        "background": {"const": False, "description": "background responses are not supported"}}}
 
 
 def _get_op(summary: str, content_type: str = "application/json",
@@ -386,11 +407,15 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
         "/v1/completions": _generation_op("Text completion", completion, ["prompt"],
                                           _generation_rules(config, chat=False)),
         "/v1/streams/{request_id}": _resume_op(),
-        "/v1/messages": _messages_op("Anthropic Messages: a message, or its stream of events",
-                                     _messages_schema(model_name, count_only=False),
-                                     "a message, or a text/event-stream of Anthropic's events"),
-        "/v1/messages/count_tokens": _messages_op("Anthropic Messages: the input's token count",
-                                                  _messages_schema(model_name, count_only=True), "{input_tokens}"),
+        "/v1/messages": _translated_op("Anthropic Messages: a message, or its stream of events",
+                                       _messages_schema(model_name, count_only=False),
+                                       "a message, or a text/event-stream of Anthropic's events", _ANTHROPIC_ERROR),
+        "/v1/messages/count_tokens": _translated_op("Anthropic Messages: the input's token count",
+                                                    _messages_schema(model_name, count_only=True), "{input_tokens}",
+                                                    _ANTHROPIC_ERROR),
+        "/v1/responses": _translated_op("OpenAI Responses: a response, or its stream of events",
+                                        _responses_schema(model_name),
+                                        "a Response, or a text/event-stream of the Responses events", _ERROR),
         "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
                               _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
         "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),

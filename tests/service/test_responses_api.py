@@ -1,0 +1,109 @@
+"""OpenAI's Responses API (/v1/responses) with the official openai SDK (responses.create, .stream and .parse),
+checked against the chat completion of the same conversation (one chat path: the same greedy text), with a forced
+function call's round trip through function_call / function_call_output items, structured output, and errors."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from service.local_stack import LocalStack
+from tests.service.conftest import API_KEY, MODEL_NAME
+
+INSTRUCTIONS = "You answer arithmetic questions."
+QUESTION = "What is 17 plus 25?"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+
+
+class Verdict(pydantic.BaseModel):  # bounded values: the demo model's noise cannot run past max_output_tokens
+    correct: bool
+
+
+@pytest.fixture(scope="module")
+def client(roomy_stack: LocalStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{roomy_stack.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def chat_answer(client) -> tuple[str, str]:
+    """(text, finish reason) of the chat completion of the same conversation."""
+    answer = client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}])
+    return answer.choices[0].message.content, answer.choices[0].finish_reason
+
+
+@pytest.fixture(scope="module")
+def chat_text(chat_answer) -> str:
+    return chat_answer[0]
+
+
+def test_a_response_says_what_the_chat_path_says(client, chat_answer) -> None:
+    chat_text, finish = chat_answer
+    response = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=QUESTION,
+                                       max_output_tokens=12, temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat_text and [item.type for item in response.output] == ["message"]
+    assert response.status == ("incomplete" if finish == "length" else "completed")
+    assert 0 < response.usage.output_tokens <= 12
+
+
+def test_an_item_list_input_is_the_same_conversation(client, chat_text) -> None:
+    items = [{"type": "message", "role": "developer", "content": INSTRUCTIONS},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    response = client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=12, temperature=0)
+    assert response.output_text == chat_text
+
+
+def test_the_stream_is_the_responses_event_sequence(client, chat_text) -> None:
+    with client.responses.stream(model=MODEL_NAME, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12,
+                                 temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and "response.output_text.delta" in kinds
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
+    assert final.output_text == chat_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_round_trip(client, stream: bool) -> None:
+    args = dict(model=MODEL_NAME, input="The weather in Paris?", tools=[WEATHER], max_output_tokens=200,
+                tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    if stream:
+        with client.responses.stream(**args) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**args)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    follow = client.responses.create(model=MODEL_NAME, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "The weather in Paris?"}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
+def test_parse_gives_the_schema_s_object(client) -> None:
+    parsed = client.responses.parse(model=MODEL_NAME, input=QUESTION, text_format=Verdict, max_output_tokens=40,
+                                    temperature=0)
+    assert isinstance(parsed.output_parsed, Verdict) and parsed.status == "completed"
+
+
+def test_what_is_not_supported_is_a_400_that_names_it(client) -> None:
+    for extra, param in [({"background": True}, "background"), ({"previous_response_id": "resp_x"},
+                                                                  "previous_response_id")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, **extra)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as image:
+        client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}])
+    assert image.value.body["param"] == "input[0].content[0].type"
