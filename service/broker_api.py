@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from service.messages import (EventRow, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, SchemaError,
                               StreamRecord, decode)
+from service.response_store import ResponseStore
 from service.transcript import Transcript
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class GatewayBroker(Protocol):
     def subscribed(self, request_id: str, queue: asyncio.Queue[ReplyEvent]) -> bool:
         """Whether ``queue`` still gets ``request_id``'s events."""
     def limiter(self, lease_s: float) -> Limiter: ...
+    def responses(self) -> ResponseStore:
+        """Where this deployment keeps Responses API responses."""
     async def kv_snapshot(self, engine_id: str) -> bytes | None:
         """The engine's latest KVSnapshotMsg (None: none yet, or expired); asks it for more for ``KV_WANTED_S``."""
 

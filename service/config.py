@@ -160,6 +160,9 @@ class GatewayConfig:
     sse_keepalive_s: float = spec(15.0, low=0, flag="--sse-keepalive",
                                   help="seconds without an event after which a stream sends a ': keep-alive' "
                                        "comment, so proxies keep it open (0: never)")
+    response_ttl_s: float = spec(86400.0, low=1, flag="--response-ttl",
+                                 help="seconds a Responses API response (store=true, the default) stays readable "
+                                      "for previous_response_id and GET /v1/responses/{id}")
     reconnect_grace_s: float = spec(10.0, low=0, flag="--reconnect-grace",
                                     help="seconds a stream whose client hung up keeps running for the client "
                                          "to resume it (Last-Event-ID) before it is aborted")

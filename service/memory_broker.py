@@ -21,6 +21,7 @@ from service.limits import MemoryLimiter
 from service.messages import (ROW_FINISHED, GatewayBeat, Heartbeat, Progress, ReplyEvent, RequestMsg, StreamRecord,
                               encode, pack_batch)
 from service.reply_router import ReplyRouter
+from service.response_store import MemoryResponseStore
 from service.supervise import supervised
 
 
@@ -40,6 +41,7 @@ class MemoryBus:
         self.kv_snapshots: dict[str, tuple[bytes, float]] = {}  # engine id -> (KVSnapshotMsg, monotonic expiry)
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.limiter: MemoryLimiter | None = None  # the gateways' shared per-key limits, made by the first
+        self.responses = MemoryResponseStore()
         self._entry_ids = itertools.count(1)
 
     def enqueue(self, model: str, payload: bytes) -> None:
@@ -70,6 +72,9 @@ class MemoryGatewayBroker(ReplyRouter):
         self.bus = bus
         self.gateway_id = uuid.uuid4().hex[:12]
         self._watcher: asyncio.Task | None = None
+
+    def responses(self) -> MemoryResponseStore:
+        return self.bus.responses
 
     def limiter(self, lease_s: float) -> MemoryLimiter:
         if self.bus.limiter is None:

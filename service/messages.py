@@ -141,6 +141,18 @@ class StreamRecord:
 
 
 @dataclass(slots=True)
+class StoredResponse:
+    """A Responses API response kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (the gateway's
+    ``--response-ttl``): the Response object and the conversation that led to it, as chat messages (JSON), and
+    whose API key may read it (HMAC, never the key)."""
+
+    response_id: str
+    tenant: str
+    response: bytes  # the Response object (JSON)
+    conversation: bytes  # the chat messages of the input and the output, instructions left out (JSON)
+
+
+@dataclass(slots=True)
 class Progress:
     """An engine's periodic checkpoint of one request: the events below ``next_index`` folded into
     per-choice tokens, so a replay reads this plus the gateway stream's tail since ``time_ms`` instead of

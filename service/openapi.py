@@ -328,8 +328,24 @@ def _responses_schema(model_name: str) -> dict[str, Any]:
                                              "properties": {"type": {"const": "function"}}}},
         "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object",
                                                                           "required": ["type", "name"]}]},
-        "text": {"type": "object"}, "store": {"type": "boolean"},
+        "text": {"type": "object"}, "store": {"type": "boolean", "default": True},
+        "previous_response_id": {"type": "string"},
         "background": {"const": False, "description": "background responses are not supported"}}}
+
+
+def _stored_response_ops() -> dict[str, dict[str, Any]]:
+    """GET and DELETE /v1/responses/{response_id}, and its cancel (only background responses could be)."""
+    path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    missing = {"404": "response_not_found: unknown, another API key's, or past --response-ttl",
+               "503": "Redis unavailable (see Retry-After)"}
+    ok = {"200": {"description": "OK", "content": {"application/json": {}}}}
+    return {"/v1/responses/{response_id}": {
+                "get": {"summary": "A stored response", "parameters": path, "responses": ok | _errors(missing)},
+                "delete": {"summary": "Delete a stored response", "parameters": path,
+                           "responses": ok | _errors(missing)}},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a background response (none runs here: a 400 for a stored one)",
+                "parameters": path, "responses": _errors({"400": "not a background response", **missing})}}}
 
 
 def _get_op(summary: str, content_type: str = "application/json",
@@ -416,6 +432,7 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
         "/v1/responses": _translated_op("OpenAI Responses: a response, or its stream of events",
                                         _responses_schema(model_name),
                                         "a Response, or a text/event-stream of the Responses events", _ERROR),
+        **_stored_response_ops(),
         "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
                               _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
         "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),

@@ -33,6 +33,7 @@ from service.prefix_router import PrefixRouter
 from service.redis_keys import RESUMES, Keys, split_consumer
 from service.reply_readers import ReplyReaders
 from service.reply_router import ReplyRouter
+from service.response_store import RedisResponseStore
 from service.supervise import supervised
 from service.transcript import read_transcript
 
@@ -73,6 +74,9 @@ class RedisGatewayBroker(ReplyRouter):
     def limiter(self, lease_s: float) -> RedisLimiter:
         """Per-key limits in this deployment's Redis (once started)."""
         return RedisLimiter(self._client, self._keys.prefix, lease_s)
+
+    def responses(self) -> RedisResponseStore:
+        return RedisResponseStore(self._client, self._keys)
 
     async def start(self) -> None:
         # Submissions may be retried: the StreamRecord is SET NX and a worker runs a request id once

@@ -14,6 +14,7 @@
   {p}:prefixes:{engine} set of the first 8 bytes of each prefix-cache block hash the engine holds, expiring
                         with its heartbeat (the gateway's routing reads it)
   {p}:request:{{id}}    StreamRecord, written by the gateway at submission, kept the retention window
+  {p}:response:{{id}}   StoredResponse (Responses API, store=true), written by a gateway, kept --response-ttl
                         after the request finishes
   {p}:owner:{{id}}      the consumer that runs the request, claimed with SET NX: a duplicated queue entry
                         (a retried XADD) is never run twice
@@ -81,6 +82,10 @@ class Keys:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}:request:{{{request_id}}}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response (``StoredResponse``)."""
+        return f"{self.prefix}:response:{{{response_id}}}"
 
     def owner(self, request_id: str) -> str:
         return f"{self.prefix}:owner:{{{request_id}}}"

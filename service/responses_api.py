@@ -1,8 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a thin layer over the chat path: a Responses body becomes a
 chat body (the one tokenizer, template, grammar and tool-parser pipeline) and the chat answer, whole or streamed,
 becomes a Response with its output items (reasoning, message, function calls), or the Responses event sequence.
-What it does not take is a 400 that names the field: images and files, built-in tools, background mode, and
-(until responses are stored) ``previous_response_id``."""
+Responses are stored (``store``, the default) for ``previous_response_id`` and ``GET /v1/responses/{id}``
+(``service.response_store``). What it does not take is a 400 that names the field: images and files, built-in
+tools, background mode."""
 from __future__ import annotations
 
 import json
@@ -21,10 +22,12 @@ _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_t
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat body of a Responses body (the chat parser checks the sampling fields' values)."""
+def to_chat_body(body: dict[str, Any], previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat body of a Responses body (the chat parser checks the sampling fields' values); ``previous``: the
+    conversation of the response ``previous_response_id`` names (its instructions are not carried over)."""
     _check_fields(body)
-    chat: dict[str, Any] = {"messages": _instructions(body.get("instructions")) + _input(body.get("input"))}
+    chat: dict[str, Any] = {"messages": _instructions(body.get("instructions")) + (previous or [])
+                            + _input(body.get("input"))}
     for ours, theirs in (("model", "model"), ("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(theirs) is not None:
@@ -44,9 +47,6 @@ def _check_fields(body: dict[str, Any]) -> None:
         raise APIError(400, f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
     if body.get("background"):
         raise APIError(400, "background responses are not supported by this server", param="background")
-    if body.get("previous_response_id") is not None:
-        raise APIError(400, "this server does not store responses: send the whole conversation as input",
-                       param="previous_response_id")
     if body.get("max_tool_calls") is not None:
         raise APIError(400, "max_tool_calls is not supported by this server", param="max_tool_calls")
 
@@ -177,12 +177,27 @@ class Envelope:
         return {"id": response_id(self.request_id), "object": "response", "created_at": self.created_at,
                 "status": status, "model": self.model, "output": output, "usage": usage, "error": None,
                 "incomplete_details": incomplete, "instructions": body.get("instructions"),
-                "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
+                "max_output_tokens": body.get("max_output_tokens"),
+                "previous_response_id": body.get("previous_response_id"),
                 "parallel_tool_calls": body.get("parallel_tool_calls", True),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                 "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                "text": body.get("text") or {"format": {"type": "text"}}, "store": False, "background": False,
+                "text": body.get("text") or {"format": {"type": "text"}}, "store": body.get("store", True) is not False,
+                "background": False,
                 "metadata": body.get("metadata") or {}}
+
+
+def conversation(chat: dict[str, Any], body: dict[str, Any], response: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a later ``previous_response_id`` continues: the chat messages of this request's conversation (its
+    instructions left out) and its output as the assistant's turn (reasoning left out, as for any earlier turn)."""
+    history = chat["messages"][1:] if body.get("instructions") is not None else chat["messages"]
+    text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                     "arguments": item["arguments"]}}
+             for item in response["output"] if item["type"] == "function_call"]
+    turn: dict[str, Any] = {"role": "assistant", "content": text}
+    return history + [turn | ({"tool_calls": calls} if calls else {})]
 
 
 def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:

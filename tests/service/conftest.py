@@ -32,6 +32,7 @@ from service.worker import Worker
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_NAME = "pagedserve-demo"
 API_KEY = "test-key-123"
+OTHER_KEY = "test-key-456"  # another tenant's (the roomy stack takes both)
 START_TIMEOUT_S = 120
 ENGINE = EngineConfig(num_device_blocks=96, max_num_seqs=8, num_threads=1, attention_backend="torch")
 HEARTBEAT_FLAGS = ["--heartbeat-interval", "0.25", "--heartbeat-ttl", "2"]
@@ -105,7 +106,8 @@ def roomy_stack(demo_model: str) -> Iterator[LocalStack]:
     """One gateway and one worker whose KV pool holds several long requests at once (the structured-output
     and tools tests: a tools listing alone is ~860 tokens of the demo tokenizer, which never saw JSON)."""
     roomy = replace(ENGINE, num_device_blocks=512)
-    with local_stack(demo_model, num_workers=1, num_gateways=1, engine=roomy) as stack:
+    with local_stack(demo_model, num_workers=1, num_gateways=1, engine=roomy,
+                     gateway_flags=("--api-key", API_KEY, "--api-key", OTHER_KEY)) as stack:
         stack.wait_ready(START_TIMEOUT_S)
         yield stack
 

@@ -143,7 +143,7 @@ def operations(config: GatewayConfig) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def url(path: str) -> str:
-    return path.replace("{request_id}", STREAM_ID).replace("{model}", MODEL_NAME)
+    return path.replace("{request_id}", STREAM_ID).replace("{model}", MODEL_NAME).replace("{response_id}", "resp_0")
 
 
 async def test_the_document_lists_every_route_of_the_gateway(tokenizer) -> None:

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from service.local_stack import LocalStack
-from tests.service.conftest import API_KEY, MODEL_NAME
+from tests.service.conftest import API_KEY, MODEL_NAME, OTHER_KEY
 
 INSTRUCTIONS = "You answer arithmetic questions."
 QUESTION = "What is 17 plus 25?"
@@ -97,12 +97,44 @@ def test_parse_gives_the_schema_s_object(client) -> None:
     assert isinstance(parsed.output_parsed, Verdict) and parsed.status == "completed"
 
 
+def test_stored_responses_continue_read_delete_and_stay_with_their_key(client, roomy_stack: LocalStack,
+                                                                         chat_text) -> None:
+    """store (the default) keeps a response for previous_response_id and GET; another API key finds nothing;
+    DELETE removes it; a non-background response cannot be cancelled."""
+    first = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=QUESTION,
+                                    max_output_tokens=12, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text == chat_text
+    follow = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="And 1 more?",
+                                     max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": chat_text},
+        {"role": "user", "content": "And 1 more?"}])  # instructions are not carried over, as OpenAI's API does
+    assert follow.previous_response_id == first.id and follow.output_text == chat.choices[0].message.content
+    with client.responses.stream(model=MODEL_NAME, previous_response_id=follow.id, input="Thanks.",
+                                 max_output_tokens=4, temperature=0) as stream:
+        last = list(stream)[-1]  # response.incomplete at the 4 tokens, as OpenAI's (get_final_response wants completed)
+    streamed = last.response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    stranger = openai.OpenAI(base_url=f"{roomy_stack.url}/v1", api_key=OTHER_KEY, max_retries=0)
+    for call in (lambda: stranger.responses.retrieve(first.id), lambda: stranger.responses.delete(first.id),
+                 lambda: stranger.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="x",
+                                                   max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(first.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 def test_what_is_not_supported_is_a_400_that_names_it(client) -> None:
-    for extra, param in [({"background": True}, "background"), ({"previous_response_id": "resp_x"},
-                                                                  "previous_response_id")]:
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, **extra)
-        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, background=True)
+    assert refused.value.body["param"] == "background"
     with pytest.raises(openai.BadRequestError) as image:
         client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
