@@ -4,6 +4,7 @@ function call's round trip through function_call / function_call_output items, s
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import jsonschema
 import openai
@@ -139,3 +140,44 @@ def test_what_is_not_supported_is_a_400_that_names_it(client) -> None:
         client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
     assert image.value.body["param"] == "input[0].content[0].type"
+
+
+def test_the_agents_sdk_runs_a_function_tool_to_completion(roomy_stack: LocalStack) -> None:
+    """The Agents SDK's default model speaks the Responses API: its first turn is forced to call the tool (the
+    demo model was never trained on calls), the tool runs, and the run ends with the model's answer."""
+    agents = pytest.importorskip("agents")
+    client = openai.AsyncOpenAI(base_url=f"{roomy_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, pydantic.Field(pattern="^[A-Za-z ]{1,12}$")]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny, 21 C"
+
+    agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
+                         model=agents.OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=200,
+                                                             temperature=0))
+    # A question the demo model answers and ends (its tool call is forced; its last turn is free).
+    result = agents.Runner.run_sync(agent, QUESTION, max_turns=4,
+                                    run_config=agents.RunConfig(tracing_disabled=True))
+    assert len(calls) == 1 and isinstance(result.final_output, str)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+
+
+def test_langchain_on_the_responses_api(roomy_stack: LocalStack, chat_text) -> None:
+    """LangChain's ChatOpenAI with use_responses_api=True: the same answer as the chat path, and a bound tool
+    called through function_call items."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL_NAME, base_url=f"{roomy_stack.url}/v1", api_key=API_KEY,
+                                      use_responses_api=True, temperature=0, max_tokens=12, max_retries=0)
+    answer = llm.invoke([("system", INSTRUCTIONS), ("user", QUESTION)])
+    assert answer.text == chat_text
+    tool = {k: WEATHER[k] for k in ("name", "description", "parameters")}
+    roomy = llm.model_copy(update={"max_tokens": 200})  # the call's JSON must close within the limit
+    called = roomy.bind_tools([tool], tool_choice="get_weather").invoke("Paris?")
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["parameters"])
