@@ -77,8 +77,13 @@ def _eos(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int
 
 
 def num_kept(params: SamplingParams, eos_token_ids: frozenset[int]) -> int:
-    """(candidate, token) pairs a step of the request keeps: transformers' max(2, 1 + #eos) * width."""
-    return max(2, 1 + len(_eos(params, eos_token_ids))) * params.beam_width
+    """(candidate, token) pairs a step of the request keeps."""
+    return _num_kept(params.beam_width, _eos(params, eos_token_ids))
+
+
+def _num_kept(width: int, eos: frozenset[int]) -> int:
+    """transformers' max(2, 1 + #eos) * width."""
+    return max(2, 1 + len(eos)) * width
 
 
 @dataclass(slots=True)
@@ -120,7 +125,7 @@ def select(state: BeamState, cands: list[Sequence], top_rows: list[TopTokens]) -
     columns = logprobs.shape[1]
     cum = torch.tensor([c.cumulative_logprob for c in cands], dtype=torch.float32)
     scores = (logprobs + cum[:, None]).view(-1)  # fp32 sums, as transformers adds them
-    top, flat = scores.topk(min(max(2, 1 + len(state.eos)) * width, scores.numel()))
+    top, flat = scores.topk(min(_num_kept(width, state.eos), scores.numel()))
     length = cands[0].num_output_tokens + 1  # every candidate has as many tokens
     normalized = (top / length ** state.length_penalty).tolist()
     at_limit = length >= state.max_new_tokens

@@ -162,7 +162,7 @@ class LLMEngine:
             ahead = pipeline.schedule_ahead(self.scheduler, out)
         try:
             logits = current.logits.result()
-            tokens = self.sampler.draw_step(out, logits)
+            tokens, values = self.sampler.draw_step(out, logits)
         except Exception as exc:
             outputs = self._recover(out, exc)
             if ahead is not None:
@@ -170,7 +170,7 @@ class LLMEngine:
             return outputs
         if ahead is not None and not ahead.out.is_empty:
             tokens = pipeline.launch_ahead(ahead, tokens)
-        return self._update(out, self.sampler.step_output(out, logits, tokens))
+        return self._update(out, self.sampler.step_output(out, logits, tokens, values))
 
     def _recover(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A batch of several requests is retried one request at a time (``Scheduler.isolate``): one

@@ -48,27 +48,26 @@ class Sampler:
 
     def sample(self, out: SchedulerOutput, logits: Logits | None) -> SamplerOutput:
         """The step's draw (``draw_step`` then ``step_output``)."""
-        return self.step_output(out, logits, self.draw_step(out, logits))
+        return self.step_output(out, logits, *self.draw_step(out, logits))
 
-    def draw_step(self, out: SchedulerOutput, logits: Logits | None) -> torch.Tensor | None:
+    def draw_step(self, out: SchedulerOutput, logits: Logits | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The tokens of ``out.samples()``, still on the device (None: nothing to draw), with the step's grammar
-        mask (``out.token_mask``)."""
+        mask (``out.token_mask``); and their rows' raw logits (None: argmax only), for ``step_output``."""
         samples = out.samples()
         if not samples:
-            return None
+            return None, None
         if len(samples) != len(logits):  # forks draw several tokens from one row
             logits = logits.select([row for row, _, _ in samples])
         seqs, params = [seq for _, _, seq in samples], [s.group.params for _, s, _ in samples]
-        return self.draw(logits.values, seqs, params, logits.argmax, out.token_mask)
+        return self.draw(logits.values, seqs, params, logits.argmax, out.token_mask), logits.values
 
-    def step_output(self, out: SchedulerOutput, logits: Logits | None, tokens: torch.Tensor | None) -> SamplerOutput:
-        """``draw_step``'s tokens on the host, with their logprobs, the beam rows' best tokens and the prompt
-        logprobs."""
+    def step_output(self, out: SchedulerOutput, logits: Logits | None, tokens: torch.Tensor | None,
+                    values: torch.Tensor | None) -> SamplerOutput:
+        """``draw_step``'s tokens on the host, with the logprobs of its ``values``, the beam rows' best tokens and
+        the prompt logprobs."""
         samples, beams = out.samples(), out.beam_samples()
         if samples:
-            values = logits.values
-            if values is not None and len(samples) != len(logits):
-                values = values[[row for row, _, _ in samples]]
             sampled = self.output(values, tokens, [s.group.params for _, s, _ in samples])
         else:
             sampled = SamplerOutput([], [])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.errors import APIError
+from service.protocol import require_str
 
 # Anthropic's error types, by status.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -70,14 +71,8 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(_string(b.get("text"), f"{where}.text") for b in content)
+        return "".join(require_str(b.get("text"), f"{where}.text") for b in content)
     raise APIError(400, "must be a string or a list of text blocks", param=where)
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(400, "must be a string", param=where)
-    return value
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -103,10 +98,10 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
             content = block.get("content", "")
-            results.append({"role": "tool", "tool_call_id": _string(block.get("tool_use_id"), f"{where}[{j}]"),
+            results.append({"role": "tool", "tool_call_id": require_str(block.get("tool_use_id"), f"{where}[{j}]"),
                             "content": _text(content, f"{where}[{j}].content")})
         elif kind == "text":
-            texts.append(_string(block.get("text"), f"{where}[{j}].text"))
+            texts.append(require_str(block.get("text"), f"{where}[{j}].text"))
         else:
             raise APIError(400, f"unsupported content block type {kind!r} (text and tool_result are)",
                            param=f"{where}[{j}].type")
@@ -119,12 +114,12 @@ def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_string(block.get("text"), f"{where}[{j}].text"))
+            texts.append(require_str(block.get("text"), f"{where}[{j}].text"))
         elif kind == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise APIError(400, "a tool_use block's input must be an object", param=f"{where}[{j}].input")
-            calls.append({"id": _string(block.get("id"), f"{where}[{j}].id"), "type": "function",
-                          "function": {"name": _string(block.get("name"), f"{where}[{j}].name"),
+            calls.append({"id": require_str(block.get("id"), f"{where}[{j}].id"), "type": "function",
+                          "function": {"name": require_str(block.get("name"), f"{where}[{j}].name"),
                                        "arguments": json.dumps(block["input"])}})
         elif kind not in ("thinking", "redacted_thinking"):
             raise APIError(400, f"unsupported content block type {kind!r} (text, tool_use and thinking are)",
@@ -140,9 +135,9 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "input_schema" not in tool or tool.get("type") not in (None, "custom"):
             raise APIError(400, "only custom tools with an input_schema are supported", param=f"tools[{i}]")
-        function = {"name": _string(tool.get("name"), f"tools[{i}].name"), "parameters": tool["input_schema"]}
+        function = {"name": require_str(tool.get("name"), f"tools[{i}].name"), "parameters": tool["input_schema"]}
         if "description" in tool:
-            function["description"] = _string(tool["description"], f"tools[{i}].description")
+            function["description"] = require_str(tool["description"], f"tools[{i}].description")
         converted.append({"type": "function", "function": function})
     return converted
 
@@ -151,7 +146,7 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     kind = choice.get("type") if isinstance(choice, dict) else None
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if kind == "tool":
-        mapped = {"type": "function", "function": {"name": _string(choice.get("name"), "tool_choice.name")}}
+        mapped = {"type": "function", "function": {"name": require_str(choice.get("name"), "tool_choice.name")}}
     if mapped is None:
         raise APIError(400, "tool_choice.type must be auto, any, tool or none", param="tool_choice")
     parallel = {"parallel_tool_calls": False} if choice.get("disable_parallel_tool_use") else {}

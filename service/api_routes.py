@@ -15,7 +15,7 @@ from service import anthropic_api, responses_api
 from service.errors import APIError, BrokerUnavailable
 from service.gateway import Gateway
 from service.messages import StoredResponse
-from service.protocol import parse_chat, parse_json, parse_tokenize
+from service.protocol import parse_chat, parse_json, parse_tokenize, require_object
 from service.response_store import ResponseStore
 from service.server_errors import unavailable
 from service.streaming import Run, stream_events
@@ -121,10 +121,7 @@ class TranslatedRoutes:
 
 
 async def _body(http: web.Request) -> dict[str, Any]:
-    body = parse_json(await http.read())
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+    return require_object(parse_json(await http.read()))
 
 
 async def _anthropic_events(run: Run) -> AsyncIterator[tuple[str, dict[str, Any]]]:

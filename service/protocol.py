@@ -93,7 +93,7 @@ class TokenizeRequest:
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
-    body = _require_object(body)
+    body = require_object(body)
     req = TokenizeRequest(_get(body, "model", str, None))
     if "messages" in body:
         req.messages = _parse_messages(body["messages"])
@@ -109,7 +109,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
-    body = _require_object(body)
+    body = require_object(body)
     tokens = _token_ids(body.get("tokens"))
     if tokens is None:
         raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
@@ -170,7 +170,7 @@ def _nested_deeper(value: Any, limit: int) -> bool:
 
 
 def parse_chat(body: Any, config: GatewayConfig) -> GenerationRequest:
-    body = _require_object(body)
+    body = require_object(body)
     _log_unknown(body, _CHAT)
     tools = parse_tool_request(body)
     want = _get(body, "logprobs", bool, False)
@@ -188,7 +188,7 @@ def parse_chat(body: Any, config: GatewayConfig) -> GenerationRequest:
 
 
 def parse_completion(body: Any, config: GatewayConfig) -> GenerationRequest:
-    body = _require_object(body)
+    body = require_object(body)
     _log_unknown(body, _COMPLETION)
     if _get(body, "suffix", str, None):
         raise APIError(400, "suffix is not supported by this server", param="suffix")
@@ -524,10 +524,17 @@ def _check_cap(name: str, value: int, cap: int) -> None:
         raise APIError(400, f"'{name}' is {value}, this server allows at most {cap}", param=name)
 
 
-def _require_object(body: Any) -> dict[str, Any]:
+def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def require_str(value: Any, param: str) -> str:
+    """``value``, a string; else a 400 naming ``param``."""
+    if not isinstance(value, str):
+        raise APIError(400, "must be a string", param=param)
+    return value
 
 
 def _log_unknown(body: dict[str, Any], known: set[str]) -> None:

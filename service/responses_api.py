@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import APIError
+from service.protocol import require_str
 
 # The fields taken; of them reasoning, metadata, user, include, truncation, service_tier, prompt_cache_key,
 # safety_identifier, stream_options and store are accepted without effect (the prefix cache is automatic).
@@ -75,7 +76,7 @@ def _input(items: Any) -> list[dict[str, Any]]:
             _add_call(messages, item, i)
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"input[{i}].call_id"),
+            messages.append({"role": "tool", "tool_call_id": require_str(item.get("call_id"), f"input[{i}].call_id"),
                              "content": output if isinstance(output, str) else json.dumps(output)})
         elif kind != "reasoning":  # earlier turns' reasoning is not sent back to the model
             raise APIError(400, f"unsupported input item type {kind!r}", param=f"input[{i}].type")
@@ -99,25 +100,19 @@ def _content(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise APIError(400, f"unsupported content part type {kind!r} (text parts are)", param=f"{where}[{j}].type")
-        texts.append(_string(part.get("text"), f"{where}[{j}].text"))
+        texts.append(require_str(part.get("text"), f"{where}[{j}].text"))
     return "".join(texts)
 
 
 def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:
     """A function call of an earlier turn: joins the assistant message before it (parallel calls are one turn)."""
-    call = {"id": _string(item.get("call_id"), f"input[{i}].call_id"), "type": "function",
-            "function": {"name": _string(item.get("name"), f"input[{i}].name"),
-                         "arguments": _string(item.get("arguments"), f"input[{i}].arguments")}}
+    call = {"id": require_str(item.get("call_id"), f"input[{i}].call_id"), "type": "function",
+            "function": {"name": require_str(item.get("name"), f"input[{i}].name"),
+                         "arguments": require_str(item.get("arguments"), f"input[{i}].arguments")}}
     if messages and messages[-1]["role"] == "assistant":
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(400, "must be a string", param=where)
-    return value
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -127,10 +122,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise APIError(400, "only function tools are supported", param=f"tools[{i}].type")
-        function = {"name": _string(tool.get("name"), f"tools[{i}].name"),
+        function = {"name": require_str(tool.get("name"), f"tools[{i}].name"),
                     "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
         if tool.get("description") is not None:
-            function["description"] = _string(tool["description"], f"tools[{i}].description")
+            function["description"] = require_str(tool["description"], f"tools[{i}].description")
         converted.append({"type": "function", "function": function})
     return converted
 
@@ -139,7 +134,7 @@ def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": _string(choice.get("name"), "tool_choice.name")}}
+        return {"type": "function", "function": {"name": require_str(choice.get("name"), "tool_choice.name")}}
     raise APIError(400, "tool_choice must be auto, none, required or {type: function, name}", param="tool_choice")
 
 

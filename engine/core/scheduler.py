@@ -230,6 +230,7 @@ class Scheduler:
         if seq.status is RUNNING:
             self._num_running_seqs -= 1
         self.kv.free(seq.seq_id)
+        self.speculation.forget(seq.seq_id)
         seq.status = status
         if group.is_finished:
             self._remove(group)

@@ -50,7 +50,7 @@ class Speculation:
     def __init__(self, k: int, max_model_len: int | None) -> None:
         self.k = k
         self.max_model_len = max_model_len
-        self._paces: dict[int, tuple[Sequence, Backoff]] = {}  # by seq_id, while the sequence is unfinished
+        self._paces: dict[int, Backoff] = {}  # by seq_id, until the sequence finishes (``forget``)
         self.num_drafts = 0  # verifications: steps of a sequence with drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -64,7 +64,6 @@ class Speculation:
 
     def targets(self, running: Iterable[SequenceGroup]) -> list[SpecTarget]:
         """Every eligible running sequence in decode (one token without K/V) with its k for this step."""
-        self._paces = {i: v for i, v in self._paces.items() if not v[0].is_finished}
         targets = []
         for group in running:
             if not self.eligible(group) or len(group.seqs) < group.params.n:  # forks pending share one row
@@ -81,13 +80,17 @@ class Speculation:
         that accepts everything emits k + 1 tokens)."""
         pace = self._paces.get(seq.seq_id)
         if pace is None:
-            pace = self._paces[seq.seq_id] = (seq, Backoff(self.k))
-        k = pace[1].next_k()
+            pace = self._paces[seq.seq_id] = Backoff(self.k)
+        k = pace.next_k()
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
         if group.params.max_tokens is not None:
             k = min(k, group.params.max_tokens - seq.num_output_tokens - 1)
         return k
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished: its pace goes."""
+        self._paces.pop(seq_id, None)
 
     def verify(self, samples: list[tuple[int, ScheduledSeq, Sequence]], tokens: list[int], kv: KVAllocator) -> None:
         """Each verification keeps its drafts up to the first one the target's own token at that position
@@ -107,7 +110,7 @@ class Speculation:
             if s.seq.status is SequenceStatus.RUNNING:
                 kv.truncate(s.seq.seq_id, s.start + 1 + accepted)
             if (pace := self._paces.get(s.seq.seq_id)) is not None:
-                pace[1].observe(accepted, self.k)
+                pace.observe(accepted, self.k)
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += accepted

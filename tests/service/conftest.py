@@ -42,7 +42,16 @@ RECONNECT_FLAGS = ["--reconnect-grace", "1"]
 
 
 def get_json(url: str, api_key: str | None = API_KEY) -> tuple[int, dict]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    return _json_call(urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}))
+
+
+def post_json(url: str, body: dict, api_key: str = API_KEY) -> tuple[int, dict]:
+    return _json_call(urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}))
+
+
+def _json_call(request: urllib.request.Request) -> tuple[int, dict]:
+    """(status, JSON body) of a request, an HTTP error's too."""
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, json.loads(response.read())

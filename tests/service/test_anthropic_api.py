@@ -3,16 +3,12 @@ the same conversation (one chat path: the same greedy text), with its streaming 
 tool call's round trip, token counting and Anthropic's error shape."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import jsonschema
 import openai
 import pytest
 
 from service.local_stack import LocalStack
-from tests.service.conftest import API_KEY, MODEL_NAME, get_json
+from tests.service.conftest import API_KEY, MODEL_NAME, get_json, post_json
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -88,13 +84,13 @@ def test_a_forced_tool_call_round_trip(client, stream: bool) -> None:
 
 def test_count_tokens_counts_what_the_template_renders(client, roomy_stack: LocalStack) -> None:
     counted = client.messages.count_tokens(model=MODEL_NAME, system=SYSTEM, messages=MESSAGES)
-    status, tokenized = _post(roomy_stack, "/tokenize", {"model": MODEL_NAME, "messages": [
+    status, tokenized = post_json(f"{roomy_stack.url}/tokenize", {"model": MODEL_NAME, "messages": [
         {"role": "system", "content": SYSTEM}, *MESSAGES]})
     assert status == 200 and counted.input_tokens == tokenized["count"] > 0
 
 
 def test_errors_take_anthropics_shape_and_name_the_field(client, roomy_stack: LocalStack) -> None:
-    status, missing = _post(roomy_stack, "/v1/messages", {"model": MODEL_NAME, "messages": MESSAGES})  # no max_tokens
+    status, missing = post_json(f"{roomy_stack.url}/v1/messages", {"model": MODEL_NAME, "messages": MESSAGES})  # no max_tokens
     assert status == 400 and missing["type"] == "error" and missing["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in missing["error"]["message"]
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]
@@ -109,12 +105,3 @@ def test_errors_take_anthropics_shape_and_name_the_field(client, roomy_stack: Lo
         client.messages.create(model="another-model", max_tokens=4, messages=MESSAGES)
     assert get_json(f"{roomy_stack.url}/v1/models")[0] == 200  # the server is fine after all of it
 
-
-def _post(stack: LocalStack, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(stack.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
