@@ -27,8 +27,17 @@ class _Processes:
         self.processes: dict[int, subprocess.Popen] = {}  # port -> redis-server (or sentinel)
 
     def _spawn(self, port: int, *args: str) -> None:
-        self.processes[port] = subprocess.Popen(["redis-server", *args], cwd=self.workdir, start_new_session=True,
-                                                stdout=subprocess.DEVNULL)
+        with open(self.log_path(port), "wb") as log:  # the child keeps its own handle
+            self.processes[port] = subprocess.Popen(["redis-server", *args], cwd=self.workdir,
+                                                    start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+    def log_path(self, port: int) -> str:
+        return os.path.join(self.workdir, f"{port}.log")
+
+    def log(self, port: int) -> str:
+        """What the process on ``port`` logged (warnings and up: a Sentinel's events), for failure messages."""
+        with open(self.log_path(port), errors="replace") as log:
+            return log.read()
 
     def _server(self, port: int, *args: str) -> None:
         folder = os.path.join(self.workdir, str(port))
@@ -108,6 +117,22 @@ class SentinelSet(_Processes):
         """Every sentinel names the replica as the primary, and it accepts writes."""
         return (all(self.master_address(p) == ("127.0.0.1", self.replica) for p in self.sentinel_ports)
                 and _ask(self.replica, "ROLE") and _ask(self.replica, "ROLE")[0] == b"master")
+
+    def wait_promoted(self, timeout_s: float, force_after_s: float = 10) -> None:
+        """Until ``promoted``. A Sentinel that finds no replica fit at that moment (its INFO a little stale, or a
+        ping late on a loaded machine) aborts the failover and retries only after twice the failover timeout:
+        past ``force_after_s`` a ``SENTINEL FAILOVER`` every few seconds asks again (it is what pagedserve does
+        on a failover that these tests judge, not how soon Sentinel starts one). The Sentinels' event logs
+        name what held a failover back when none came."""
+        deadline, force_at = time.monotonic() + timeout_s, time.monotonic() + force_after_s
+        while not self.promoted():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"sentinel {p}:\n{self.log(p)}" for p in self.sentinel_ports)
+                raise RuntimeError(f"the replica was not promoted; replica's log:\n{self.log(self.replica)}\n{logs}")
+            if time.monotonic() > force_at:
+                _ask(self.sentinel_ports[0], "SENTINEL", "FAILOVER", SERVICE)  # an error (in progress...) is no matter
+                force_at = time.monotonic() + 5
+            time.sleep(0.05)
 
     def hold_replication(self) -> None:
         """From now on the primary's writes reach the replica only after an hour."""

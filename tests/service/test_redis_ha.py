@@ -35,8 +35,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPTS = [f"failover {i}: the paged cache" for i in range(4)]
 MAX_TOKENS = 300
 # Beats that outlive the failover: no expired key tells the processes that Redis changed, the server does.
-WORKER_FLAGS = ("--heartbeat-ttl", "10", "--redis-block-ms", "200")
-GATEWAY_FLAGS = ("--gateway-ttl", "10", "--engine-poll", "0.2", "--redis-block-ms", "200")
+WORKER_FLAGS = ("--heartbeat-ttl", "60", "--redis-block-ms", "200")
+GATEWAY_FLAGS = ("--gateway-ttl", "60", "--engine-poll", "0.2", "--redis-block-ms", "200")
 
 
 def test_a_sentinel_failover_mid_stream_loses_and_duplicates_nothing(demo_model: str,
@@ -60,7 +60,7 @@ async def streams(stack: LocalStack, sentinels: SentinelSet | None = None) -> li
     """Greedy streams of PROMPTS; with ``sentinels``, their primary is SIGKILLed once each stream has some
     text (none finished), and the replica promoted lacks the last writes."""
     outcomes = [Outcome(p) for p in PROMPTS]
-    async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=150)) as session:
         tasks = [asyncio.create_task(sse_stream(session, "POST", f"{stack.url}/v1/completions", o,
                                                 completion_body(MODEL_NAME, o.prompt, MAX_TOKENS)))
                  for o in outcomes]
@@ -84,7 +84,7 @@ async def fail_over(stack: LocalStack, sentinels: SentinelSet, outcomes: list[Ou
                             "the primary took no writes the replica lacks", 30)
     sentinels.kill_primary()
     gateway.send_signal(signal.SIGCONT)
-    await asyncio.to_thread(until, sentinels.promoted, "the replica was not promoted", 30)
+    await asyncio.to_thread(sentinels.wait_promoted, 60)
 
 
 @pytest.fixture(scope="module")
