@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSequence, CompletionOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -38,6 +39,26 @@ class LLM:
         priorities = priority if priority is not None else [0] * len(token_lists)
         if len(priorities) != len(token_lists):
             raise ValueError(f"{len(priorities)} priorities for {len(token_lists)} prompts")
+        results = self._run_all(token_lists, params, priorities, use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text
+            self._decode(result)
+        return results
+
+    def embed(self, prompts: str | list[str] | None = None, pooling_params: PoolingParams | None = None,
+              prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One vector per prompt (``RequestOutput.embedding``), pooled as the checkpoint says (``PoolerConfig``)
+        unless ``pooling_params`` say otherwise."""
+        token_lists, texts = self._prompts(prompts, prompt_token_ids)
+        params = [pooling_params or PoolingParams()] * len(token_lists)
+        results = self._run_all(token_lists, params, [0] * len(token_lists), use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text
+        return results
+
+    def _run_all(self, token_lists: list[list[int]], params: list[SamplingParams | PoolingParams],
+                 priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Each prompt's whole output, in order; a prompt the engine refuses refuses them all."""
         ids = [str(next(self._request_ids)) for _ in token_lists]
         try:
             for request_id, tokens, p, rank in zip(ids, token_lists, params, priorities):
@@ -46,11 +67,7 @@ class LLM:
             self.engine.abort_request(ids)  # all or nothing: drop the prompts already queued
             raise
         finished = self._run(set(ids), use_tqdm)
-        results = [finished[i] for i in ids]
-        for result, text in zip(results, texts):
-            result.prompt = text
-            self._decode(result)
-        return results
+        return [finished[i] for i in ids]
 
     def beam_search(self, prompts: list[str | list[int]], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -108,6 +125,8 @@ def _merge(merged: dict[str, RequestOutput], out: RequestOutput) -> None:
     whole.num_cached_tokens = out.num_cached_tokens
     if out.prompt_logprobs is not None:  # on one output only
         whole.prompt_logprobs = out.prompt_logprobs
+    if out.embedding is not None:
+        whole.embedding = out.embedding
     by_index = {c.index: c for c in whole.outputs}
     for delta in out.outputs:
         c = by_index.get(delta.index)

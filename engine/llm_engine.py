@@ -22,6 +22,8 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.core.speculation import Speculation
 from engine.distributed.executor import create_executor
 from engine.outputs import RequestOutput, ResumeState
+from engine.pooler_config import PoolerConfig
+from engine.pooling_params import PoolingParams, ResolvedPooling
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -52,9 +54,10 @@ class LLMEngine:
         self._pipeline = StepPipeline(self.runner) if config.async_scheduling else None
         self.speculator: Speculator | None = make_speculator(config, self.config)
         self._scheduled_at = 0.0  # when the latest step was scheduled (the verification time of its step)
+        self.pooler_config = PoolerConfig.from_model_dir(self.config.model_config.path)
 
     # ---- requests -------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     resume: ResumeState | None = None, priority: int = 0) -> None:
         """Queue a request. ``resume``: the request ran elsewhere and its engine died; it continues
@@ -62,27 +65,46 @@ class LLMEngine:
         and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over.
         ``priority``: lower is scheduled first and preempted last (vLLM's convention); equal ones go by arrival.
         ``params.prompt_logprobs`` come with the first output; a resumed request that had delivered tokens
-        already had them, so they are not computed again (one that had delivered none gets them)."""
-        self._validate(prompt_token_ids, params)
+        already had them, so they are not computed again (one that had delivered none gets them).
+        ``PoolingParams``: an embedding request, its prompt's prefill only; its one output carries the vector
+        (``RequestOutput.embedding``) and no tokens."""
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = self._pooling(prompt_token_ids, params, resume), _embedding_sampling_params()
+        else:
+            self._validate(prompt_token_ids, params)
         if resume is not None:
             self._validate_resume(prompt_token_ids, params, resume)
         group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
                               time.time() if arrival_time is None else arrival_time,
-                              cache_salt=cache_salt.encode() if cache_salt else None, priority=priority)
+                              cache_salt=cache_salt.encode() if cache_salt else None, priority=priority,
+                              pooling=pooling)
         self.scheduler.add_group(group)
+
+    def _pooling(self, prompt: list[int], params: PoolingParams, resume: ResumeState | None) -> ResolvedPooling:
+        if resume is not None:
+            raise ValueError("an embedding request has no output to resume: run it again")
+        self._check_prompt(prompt)
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"the input ({len(prompt)} tokens) exceeds this model's maximum context length "
+                             f"(max_model_len) of {self.max_model_len} tokens")
+        return params.resolve(self.pooler_config)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         """The engine's edge for offline callers (the gateway checked the same for served requests)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not prompt:
-            raise ValueError("the prompt is empty (it needs at least one token)")
-        self._check_token_ids("prompt", prompt)
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        self._check_prompt(prompt)
         if params.logit_bias:
             self._check_token_ids("logit_bias", list(params.logit_bias))
         if params.structured_output is not None:
             check_structured_output(params.structured_output, MAX_STRUCTURED_OUTPUT_CHARS)
         fit_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty (it needs at least one token)")
+        self._check_token_ids("prompt", prompt)
 
     def _validate_resume(self, prompt: list[int], params: SamplingParams, resume: ResumeState) -> None:
         if not isinstance(resume, ResumeState):
@@ -216,6 +238,12 @@ class LLMEngine:
         """The KV pools block by block and the requests holding them, with ``stats()`` of the same
         moment (the dashboard's). Costs a few passes over the blocks: call it between steps, sparingly."""
         return self.scheduler.kv_snapshot(self.stats())
+
+
+def _embedding_sampling_params() -> SamplingParams:
+    """An embedding request's sampling params: it draws nothing; one token of room lets a prompt fill the
+    context (``fit_max_tokens``), and it takes no part in speculation."""
+    return SamplingParams(max_tokens=1, temperature=0.0, use_speculation=False)
 
 
 def _speculates(out: SchedulerOutput) -> bool:

@@ -33,6 +33,10 @@ class Batch:
     prompt_rows: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
     prompt_targets: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
     prompt_k: int = 0
+    # Rows pooled into embeddings (ScheduledSeq.pool_positions) and, per row, its segment: one per pooling seq of
+    # the step, in schedule order. Rank 0's only (the hidden states are whole on every rank).
+    pool_rows: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
+    pool_segments: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
 
 
 @dataclass(slots=True)
@@ -52,6 +56,7 @@ class Logits:
     values: torch.Tensor | None
     argmax: torch.Tensor | None = None
     prompt: PromptLogprobs | None = None  # when a seq of the step asked for prompt logprobs
+    pooled: torch.Tensor | None = None  # [segments, hidden] fp32 on the host: each pooling seq's rows summed
 
     def __len__(self) -> int:
         return (self.argmax if self.values is None else self.values).shape[0]
@@ -123,22 +128,23 @@ class ModelRunner:
             return None
         hidden, sample_rows = self._forward(b, fill)
         prompt = self._prompt_logprobs(hidden, b) if b.prompt_rows.numel() else None
+        pooled = self._pool(hidden, b) if b.pool_rows.numel() else None
         if b.sample_rows.numel() == 0:
-            return None if prompt is None else Logits(None, None, prompt)
+            return None if prompt is None and pooled is None else Logits(None, None, prompt, pooled)
         # index_select, not hidden[rows]: advanced indexing runs an OpenMP region (~0.2 ms, more under load).
         logits, argmax = self.model.compute_logits(hidden.index_select(0, sample_rows), b.need_logits)
         if logits is None:
-            return None if argmax is None and prompt is None else Logits(None, argmax, prompt)
+            return None if argmax is None and prompt is None else Logits(None, argmax, prompt, pooled)
         if not b.need_logits and argmax is None:  # the argmax on the logits as they are: no fp32 copy of them
-            return Logits(None, self.ops.row_argmax(logits), prompt)
-        return Logits(logits.float(), argmax, prompt)
+            return Logits(None, self.ops.row_argmax(logits), prompt, pooled)
+        return Logits(logits.float(), argmax, prompt, pooled)
 
     def _forward(self, b: Batch, fill: TokenFill | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states (a decode step padded to its bucket: extra rows) and the rows to sample, on the
         device; the inputs reach a CUDA device in one copy, then take ``fill``'s tokens."""
         step, m = StepTensors(b.input_ids, b.positions, b.meta, b.sample_rows), b.meta
         width = m.block_tables.shape[1]
-        if (self.graphs is not None and not b.prompt_rows.numel()
+        if (self.graphs is not None and not b.prompt_rows.numel() and not b.pool_rows.numel()
                 and self.graphs.accepts(len(m.seq_lens), m.max_query_len, width)):
             return self.graphs.forward(step, fill)
         if self.device.type != "cpu":
@@ -163,6 +169,14 @@ class ModelRunner:
             return None
         return PromptLogprobs(*(torch.cat(column).cpu() for column in zip(*parts)))
 
+    def _pool(self, hidden: torch.Tensor, b: Batch) -> torch.Tensor:
+        """Each pooling seq's rows summed in fp32 (one row for last-token and CLS pooling): a mean's chunks add
+        up across steps (engine/core/pooling.py)."""
+        segments = self._dev(b.pool_segments)
+        rows = hidden.index_select(0, self._dev(b.pool_rows)).float()
+        num_segments = int(b.pool_segments[-1]) + 1
+        return rows.new_zeros(num_segments, rows.shape[1]).index_add_(0, segments, rows).cpu()
+
     def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
         pools = [(self.kv_cache, self.cpu_cache)]
@@ -182,6 +196,7 @@ class ModelRunner:
         (``extend(range)``), so there is no per-token Python even in a long prefill."""
         input_ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), array("q")
         prompt_rows, prompt_targets, prompt_k = array("q"), array("q"), 0
+        pool_rows, pool_segments = array("q"), array("q")
         argmax_only = True
         query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
         width, bs = max(len(s.block_table) for s in scheduled), self.block_size
@@ -203,6 +218,10 @@ class ModelRunner:
                 prompt_rows.extend(range(first, first + len(span)))
                 prompt_targets.fromlist(s.seq.token_ids[span.start + 1:span.stop + 1])
                 prompt_k = max(prompt_k, s.group.params.prompt_logprobs)
+            if s.group.pooling is not None and (span := s.pool_positions()):
+                first = len(input_ids) - (end - start) - start  # the row of position 0
+                pool_rows.extend(range(first + span.start, first + span.stop))
+                pool_segments.extend(repeat(pool_segments[-1] + 1 if pool_segments else 0, len(span)))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables.fromlist(table)
@@ -222,7 +241,9 @@ class ModelRunner:
         return Batch(input_ids=_host_tensor(input_ids, torch.int64), positions=_host_tensor(positions, torch.int64),
                      meta=meta, sample_rows=_host_tensor(sample_rows, torch.int64), need_logits=not argmax_only,
                      prompt_rows=_host_tensor(prompt_rows, torch.int64),
-                     prompt_targets=_host_tensor(prompt_targets, torch.int64), prompt_k=prompt_k)
+                     prompt_targets=_host_tensor(prompt_targets, torch.int64), prompt_k=prompt_k,
+                     pool_rows=_host_tensor(pool_rows, torch.int64),
+                     pool_segments=_host_tensor(pool_segments, torch.int64))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)

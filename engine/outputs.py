@@ -45,6 +45,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, on the request's first output only: per prompt token, None for the first,
     # then [(prompt_token_ids[i], logprob), *top k] (as in CompletionOutput.logprobs, the token may recur there).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's (LLMEngine.add_request with PoolingParams) vector, on its one (final) output.
+    embedding: list[float] | None = None
 
 
 # The finish reasons a choice can end with on its own (abort and error end the whole request).

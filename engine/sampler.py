@@ -20,12 +20,13 @@ _MASK64 = (1 << 63) - 1
 @dataclass(slots=True)
 class SamplerOutput:
     """Everything a step drew: a token (and its logprobs) per ``SchedulerOutput.samples()`` row, the best next
-    tokens of each ``beam_samples()`` row, and the prompt logprobs its prefill chunks computed."""
+    tokens of each ``beam_samples()`` row, and the prompt logprobs and pooled rows its prefill chunks computed."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     beam_tokens: TopTokens | None = None
     prompt: PromptLogprobs | None = None
+    pooled: torch.Tensor | None = None  # Logits.pooled
 
 
 class Sampler:
@@ -73,7 +74,8 @@ class Sampler:
             sampled = SamplerOutput([], [])
         if beams:
             sampled.beam_tokens = top_tokens(logits.values, beams, self._eos)
-        sampled.prompt = logits.prompt if logits is not None else None
+        if logits is not None:
+            sampled.prompt, sampled.pooled = logits.prompt, logits.pooled
         return sampled
 
     def __call__(self, logits: torch.Tensor | None, seqs: list[Sequence], params: list[SamplingParams],

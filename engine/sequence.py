@@ -8,6 +8,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.pooling_params import ResolvedPooling
 from engine.sampling_params import SamplingParams
 
 
@@ -133,6 +134,7 @@ class SequenceGroup:
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)
+    pooling: ResolvedPooling | None = None  # an embedding request: its prompt's prefill only, no tokens
 
     def __post_init__(self) -> None:
         if self.metrics is None:

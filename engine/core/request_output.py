@@ -8,8 +8,9 @@ from engine.sequence import Sequence, SequenceGroup
 
 
 def request_output(group: SequenceGroup, seqs: list[Sequence], error: str | None,
-                   prompt_logprobs: list[TokenLogprobs | None] | None) -> RequestOutput:
-    """The output reporting ``seqs``' news (their new tokens, their finish)."""
+                   prompt_logprobs: list[TokenLogprobs | None] | None, embedding: list[float] | None = None
+                   ) -> RequestOutput:
+    """The output reporting ``seqs``' news (their new tokens, their finish; a pooling request's vector)."""
     finished = group.is_finished
     if finished:
         group.metrics.finished_time = time.time()
@@ -17,7 +18,7 @@ def request_output(group: SequenceGroup, seqs: list[Sequence], error: str | None
     return RequestOutput(request_id=group.request_id, prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
                          outputs=[delta(group, seq) for seq in seqs], finished=finished, error=error,
                          num_cached_tokens=group.num_cached_tokens, metrics=group.metrics,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, embedding=embedding)
 
 
 def with_new_tokens(group: SequenceGroup) -> list[Sequence]:

@@ -53,6 +53,7 @@ from engine.core.grammar import StructuredOutputManager
 from engine.core.kv_allocator import Admission, KVAllocator, SeqSize
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_snapshot import NO_OWNER, KVSnapshot, SnapshotRequest
+from engine.core.pooling import PoolingTracker
 from engine.core.prompt_logprobs import PromptLogprobTracker
 from engine.core.request_output import request_output, with_new_tokens
 from engine.core.scheduler_config import SchedulerConfig
@@ -129,6 +130,7 @@ class Scheduler:
         self.beams = BeamSearches(self.eos_token_ids, config.max_model_len)
         self.speculation = Speculation(config.num_speculative_tokens, config.max_model_len)
         self.prompt_logprobs = PromptLogprobTracker()
+        self.pooling = PoolingTracker()
         self._num_running_seqs = 0
         self._num_pending_forks = 0  # seats running groups keep for their n samples
         self.num_preemptions = 0
@@ -160,6 +162,8 @@ class Scheduler:
             self.beams.start(group.request_id, group.params, group.seqs[0].num_prompt_tokens)
         if wants_prompt_logprobs(group, group.seqs[0]):
             self.prompt_logprobs.start(group.request_id)
+        if group.pooling is not None:
+            self.pooling.start(group.request_id)
         if group.params.structured_output is None:
             _insert(self.waiting, group)
             return
@@ -322,6 +326,10 @@ class Scheduler:
             self.speculation.verify(samples, sampled.token_ids, self.kv)
         self.mark_computed(out)
         groups = self._append_tokens(samples, sampled)
+        if self.pooling:  # a CLS pooling's last chunk pools no rows, yet ends it
+            for group in self.pooling.record(out, sampled.pooled):  # its prompt is in: it is over
+                self.finish_seq(group, group.seqs[0], SequenceStatus.FINISHED_STOPPED)
+                groups[group] = None
         if out.beam_samples():
             self._step_beams(out.beam_samples(), sampled.beam_tokens, groups)
         if self.grammar is not None and self.grammar.active:
@@ -375,17 +383,23 @@ class Scheduler:
         if not self._unreported:
             return []
         items, self._unreported = self._unreported, []
-        return [request_output(group, seqs, error, self._prompt_logprobs(group)) for group, seqs, error in items]
+        return [request_output(group, seqs, error, self._prompt_logprobs(group), self._embedding(group))
+                for group, seqs, error in items]
 
     def _step_output(self, group: SequenceGroup, now: float) -> RequestOutput:
         m = group.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
+        if group.pooling is not None:  # its one output: the embedding
+            return request_output(group, group.seqs, None, None, self._embedding(group))
         return request_output(group, with_new_tokens(group), None, self._prompt_logprobs(group))
 
     def _prompt_logprobs(self, group: SequenceGroup) -> list[TokenLogprobs | None] | None:
         return self.prompt_logprobs.take(group) if self.prompt_logprobs else None
+
+    def _embedding(self, group: SequenceGroup) -> list[float] | None:
+        return self.pooling.take(group) if self.pooling else None
 
     def mark_computed(self, out: SchedulerOutput, register: bool = True) -> None:
         """The forward pass wrote K/V for every scheduled token; then the forks share it. Async scheduling
@@ -587,15 +601,14 @@ class Scheduler:
         bs = self.config.block_size
         admissions, plan, left = [], [], budget
         for seq in seqs:
-            # Prompt logprobs need every prompt position's logits: no prefix-cache hits then (vLLM's rule too).
-            hits = [] if wants_prompt_logprobs(group, seq) else self.kv.find_cached_prefix(seq.token_ids,
+            hits = [] if _reads_every_position(group, seq) else self.kv.find_cached_prefix(seq.token_ids,
                                                                                           group.cache_salt)
             start = len(hits) * bs
             num_new = self._chunk(seq.num_tokens - start, left)
             admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
             if num_new:
                 plan.append(ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
-                                         do_sample=start + num_new == seq.num_tokens))
+                                         do_sample=start + num_new == seq.num_tokens and group.pooling is None))
             left -= num_new
         return admissions, plan, left
 
@@ -623,7 +636,7 @@ class Scheduler:
             if num_new <= 0:
                 break
             s = ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
-                             do_sample=start + num_new == len(seq.token_ids))
+                             do_sample=start + num_new == len(seq.token_ids) and group.pooling is None)
             if drafts and (proposed := drafts.get(seq.seq_id)):
                 _attach_drafts(s, proposed, budget - total - num_new)
             plan.append(s)
@@ -772,6 +785,12 @@ class Scheduler:
                     for (g, state), ids, blocks in zip(listed, seq_ids, pools.blocks)]
         return KVSnapshot(time=time.time(), block_size=self.kv.block_size, device=pools.device, cpu=pools.cpu,
                           requests=requests, stats=stats)
+
+
+def _reads_every_position(group: SequenceGroup, seq: Sequence) -> bool:
+    """Prompt logprobs need every prompt position's logits (vLLM's rule too), and mean or CLS pooling their
+    hidden states: no prefix-cache hits for them."""
+    return wants_prompt_logprobs(group, seq) or (group.pooling is not None and group.pooling.needs_every_position)
 
 
 def _insert(queue: deque[SequenceGroup], group: SequenceGroup) -> None:

@@ -44,6 +44,19 @@ class ScheduledSeq:
         return range(self.start, end)
 
 
+    def pool_positions(self) -> range:
+        """This chunk's positions a pooling request (``group.pooling``) pools: every one for mean pooling, the
+        prompt's last for last-token pooling, position 0 for CLS. Empty for other requests."""
+        pooling, end = self.group.pooling, self.start + self.num_new_tokens
+        if pooling is None:
+            return range(0)
+        if pooling.pooling == "mean":
+            return range(self.start, end)
+        if pooling.pooling == "last":
+            return range(end - 1, end) if end == self.seq.num_prompt_tokens else range(0)
+        return range(0, 1) if self.start == 0 else range(0)
+
+
 def wants_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
     """Whether ``seq``'s prefill computes its request's prompt logprobs: the request asked, this is its first
     choice and it has no output yet. They go out once, with the first output: a re-prefill after tokens were
