@@ -1,11 +1,13 @@
 """What a translated API costs against chat, in the same run: one stack, the same conversations sent streaming
-through /v1/chat/completions and through /v1/messages (Anthropic's), rounds alternating.
+through /v1/chat/completions, /v1/messages (Anthropic's) and /v1/responses (OpenAI's), the APIs' order rotating
+from round to round.
 
     python -m loadtest.bench_apis --json results/bench_apis.json
 
-Greedy decoding on the demo model, so both APIs generate the same tokens (tests/service/test_anthropic_api.py
-checks that): output tokens per second, TTFT and the end-to-end time compare the two paths' overhead only. The
-figure is messages / chat, the median over the rounds; each round sends every conversation at once.
+Greedy decoding on the demo model, so every API generates the same tokens (tests/service/test_anthropic_api.py
+and test_responses_api.py check that): output tokens per second, TTFT and the end-to-end time compare the paths'
+overhead only. The figures are messages / chat and responses / chat, medians over the rounds; each round sends
+every conversation at once.
 """
 from __future__ import annotations
 
@@ -45,14 +47,18 @@ def conversations(count: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) + "?" for _ in range(count)]
 
 
+APIS = ("chat", "messages", "responses")
+
+
 def request(api: str, text: str, max_tokens: int) -> tuple[str, dict]:
     messages = [{"role": "user", "content": text}]
+    common = {"model": MODEL_NAME, "temperature": 0.0, "stream": True}
     if api == "chat":
-        return "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
-                                        "temperature": 0.0, "stream": True,
-                                        "stream_options": {"include_usage": True}}
-    return "/v1/messages", {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
-                            "temperature": 0.0, "stream": True}
+        return "/v1/chat/completions", common | {"messages": messages, "max_tokens": max_tokens,
+                                                 "stream_options": {"include_usage": True}}
+    if api == "messages":
+        return "/v1/messages", common | {"messages": messages, "max_tokens": max_tokens}
+    return "/v1/responses", common | {"input": messages, "max_output_tokens": max_tokens, "store": False}
 
 
 async def one(session: aiohttp.ClientSession, url: str, api: str, text: str, max_tokens: int) -> tuple[int, float]:
@@ -74,13 +80,17 @@ async def one(session: aiohttp.ClientSession, url: str, api: str, text: str, max
 def _is_text(api: str, event: dict) -> bool:
     if api == "chat":
         return any(c.get("delta", {}).get("content") for c in event.get("choices") or ())
-    return event.get("type") == "content_block_delta"
+    return event.get("type") == ("content_block_delta" if api == "messages" else "response.output_text.delta")
 
 
 def _output_tokens(api: str, event: dict) -> int:
     if api == "chat":
         return (event.get("usage") or {}).get("completion_tokens", 0)
-    return event.get("usage", {}).get("output_tokens", 0) if event.get("type") == "message_delta" else 0
+    if api == "messages":
+        return event.get("usage", {}).get("output_tokens", 0) if event.get("type") == "message_delta" else 0
+    if event.get("type") != "response.completed":
+        return 0
+    return (event["response"].get("usage") or {}).get("output_tokens", 0)
 
 
 async def run_round(url: str, api: str, texts: list[str], max_tokens: int) -> Round:
@@ -92,11 +102,11 @@ async def run_round(url: str, api: str, texts: list[str], max_tokens: int) -> Ro
 
 
 def measure(url: str, texts: list[str], max_tokens: int, rounds: int) -> list[Round]:
-    asyncio.run(run_round(url, "chat", texts[:4], 4))  # warm-up of both paths
-    asyncio.run(run_round(url, "messages", texts[:4], 4))
+    for api in APIS:  # warm-up of every path
+        asyncio.run(run_round(url, api, texts[:4], 4))
     results = []
     for k in range(rounds):
-        for api in ("chat", "messages") if k % 2 == 0 else ("messages", "chat"):
+        for api in APIS[k % len(APIS):] + APIS[:k % len(APIS)]:
             results.append(asyncio.run(run_round(url, api, texts, max_tokens)))
             print(f"  round {k + 1} {api}: {results[-1].output_tok_s:.0f} output tok/s, "
                   f"TTFT {results[-1].ttft_ms:.0f} ms", flush=True)
@@ -104,13 +114,14 @@ def measure(url: str, texts: list[str], max_tokens: int, rounds: int) -> list[Ro
 
 
 def summarize(results: list[Round]) -> dict[str, object]:
-    by_api = {api: [r for r in results if r.api == api] for api in ("chat", "messages")}
+    by_api = {api: [r for r in results if r.api == api] for api in APIS}
     median = {api: statistics.median(r.output_tok_s for r in rs) for api, rs in by_api.items()}
     ttft = {api: statistics.median(r.ttft_ms for r in rs) for api, rs in by_api.items()}
     tokens = {api: {r.output_tokens for r in rs} for api, rs in by_api.items()}
     rounds = [asdict(r) | {"output_tok_s": r.output_tok_s} for r in results]
     return {"output_tok_s": median, "ttft_ms": ttft, "messages_over_chat": median["messages"] / median["chat"],
-            "same_tokens": tokens["chat"] == tokens["messages"], "rounds": rounds}
+            "responses_over_chat": median["responses"] / median["chat"],
+            "same_tokens": all(tokens[api] == tokens["chat"] for api in APIS), "rounds": rounds}
 
 
 def main() -> None:
@@ -118,7 +129,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--words", type=int, default=24, help="words in each user message")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=4, help="rounds of each API, alternating")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of each API, their order rotating")
     p.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")

@@ -145,9 +145,13 @@ async def _response_events(run: Run, body: dict[str, Any], keep: Callable[[dict[
     stream = responses_api.ResponseStream(_envelope(run, body))
     for event in stream.start():
         yield event
-    async for chunk in run.chunks():
-        for event in stream.feed(chunk):
-            yield event
+    try:
+        async for chunk in run.chunks():
+            for event in stream.feed(chunk):
+                yield event
+    except APIError as exc:
+        yield stream.error(exc.code, exc.message, exc.param)
+        return
     for name, event in stream.end(run.usage()):
         if name in ("response.completed", "response.incomplete"):
             await keep(event["response"])
@@ -160,5 +164,6 @@ def _not_found(response_id: str) -> APIError:
 
 
 def _responses_error(exc: APIError) -> dict[str, Any]:
-    """An error after the stream started, as the Responses API's ``error`` event."""
+    """A stream that failed outside its run's chunks (before its first event, or inside the gateway), as the
+    Responses API's ``error`` event; one failing mid-run is numbered by its stream (``ResponseStream.error``)."""
     return {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "sequence_number": 0}

@@ -126,11 +126,12 @@ class GatewayConfig:
     max_structured_output_chars: int = spec(64 << 10, low=1, help="largest JSON schema / regex / grammar / "
                                                                    "choice list accepted, in characters")
     # vLLM's names; None or "none": tool_choice "auto" is refused (a forced call needs no parser).
-    tool_call_parser: str | None = spec("hermes", choices=("hermes", "llama3_json", "mistral", "qwen3_coder",
-                                                           "none", None),
+    tool_call_parser: str | None = spec("hermes", choices=("hermes", "llama3_json", "mistral", "pythonic",
+                                                           "qwen3_coder", "none", None),
                                         help="format of the tool calls the model writes (hermes: Qwen2.5/Qwen3/"
-                                             "Hermes, llama3_json: Llama 3.1/3.2, mistral, qwen3_coder: "
-                                             "Qwen3-Coder's XML), parsed for tool_choice 'auto'; none: no parsing")
+                                             "Hermes, llama3_json: Llama 3.1/3.2, mistral, pythonic: Llama 3.2/"
+                                             "Llama 4's [f(x=1)], qwen3_coder: Qwen3-Coder's XML), parsed for "
+                                             "tool_choice 'auto'; none: no parsing")
     reasoning_parser: str | None = spec(None, choices=("deepseek_r1", "qwen3", None),
                                         help="split the model's <think>...</think> into reasoning_content "
                                              "(deepseek_r1: the template opens it in the prompt; qwen3: the "

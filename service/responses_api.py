@@ -349,6 +349,10 @@ class ResponseStream:
             return reasoning_item(rid, index, item.text)
         return call_item(rid, index, item.call_id, item.name, item.text)
 
+    def error(self, code: str | None, message: str, param: str | None) -> tuple[str, dict[str, Any]]:
+        """The ``error`` event of a stream that fails after its start, numbered after the events sent."""
+        return self._event("error", code=code, message=message, param=param)
+
     def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         self._sequence += 1
         return kind, {"type": kind, "sequence_number": self._sequence - 1, **fields}

@@ -8,6 +8,7 @@ closes, stays plain content.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -166,6 +167,45 @@ class Llama3JsonParser:
         return (calls or [text]), len(text)
 
 
+class PythonicParser:
+    """Llama 3.2 / Llama 4's pythonic calls: the whole message is a Python list of calls with keyword arguments,
+    ``[get_weather(city="Paris"), get_time()]``, maybe between ``<|python_start|>`` and ``<|python_end|>``
+    (Llama 4); values are Python literals (``True``, ``None``, nested lists and dicts). Anything else, or a
+    positional argument, is content."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        head = text.lstrip()
+        if not (start and (head.startswith(("[", self.START)) or self.START.startswith(head))):
+            return [text], len(text)
+        if not final:  # a call list until proven otherwise: only the end says whether it parses
+            return [], 0
+        calls = self._calls(head.removeprefix(self.START).strip().removesuffix(self.END))
+        return (calls or [text]), len(text)
+
+    @staticmethod
+    def _calls(body: str) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            return [_pythonic_call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+            return None
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall:
+    """``name(key=literal, ...)`` as a call; ValueError for anything else."""
+    if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+        raise ValueError("not a call with keyword arguments only")
+    name = ast.unparse(node.func)  # a dotted name stays whole (``brave_search.call``)
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"not a function name: {name}")
+    args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
 class MistralParser:
     """Mistral: content, then ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or (newer
     templates) ``[TOOL_CALLS]name[ARGS]{...}`` repeated, up to the end."""
@@ -263,7 +303,7 @@ class ForcedCallParser:
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-                             "qwen3_coder": Qwen3CoderParser}
+                             "pythonic": PythonicParser, "qwen3_coder": Qwen3CoderParser}
 
 
 def make_parser(name: str, tools: list[dict[str, Any]]) -> ToolParser:

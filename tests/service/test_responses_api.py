@@ -11,6 +11,7 @@ import openai
 import pydantic
 import pytest
 
+from service import responses_api
 from service.local_stack import LocalStack
 from tests.service.conftest import API_KEY, MODEL_NAME, OTHER_KEY
 
@@ -181,3 +182,12 @@ def test_langchain_on_the_responses_api(roomy_stack: LocalStack, chat_text) -> N
     (call,) = called.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER["parameters"])
+
+
+def test_an_error_mid_stream_is_numbered_after_the_events_sent() -> None:
+    """The SDK's stream reader orders events by sequence_number: an error event goes after the text sent."""
+    stream = responses_api.ResponseStream(responses_api.Envelope("resp_1", MODEL_NAME, {"input": "hi"}, 0))
+    sent = [*stream.start(), *stream.feed({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})]
+    assert [event["sequence_number"] for _, event in sent] == list(range(len(sent)))
+    name, event = stream.error("internal_error", "boom", None)
+    assert (name, event["sequence_number"], event["message"]) == ("error", len(sent), "boom")

@@ -11,8 +11,8 @@ import pytest
 
 from service.reasoning import ReasoningStream
 from service.tool_parsers import (PARSERS, ForcedCallParser, HermesParser, Llama3JsonParser, MessageStream,
-                                  MistralParser, Qwen3CoderParser, ToolCallStream, call_id, extract, make_parser,
-                                  merge)
+                                  MistralParser, PythonicParser, Qwen3CoderParser, ToolCallStream, call_id, extract,
+                                  make_parser, merge)
 
 H = '<tool_call>\n{{"name": "{0}", "arguments": {1}}}\n</tool_call>'
 # Qwen3-Coder's XML calls; a value's type comes from its tool's schema.
@@ -44,6 +44,16 @@ CASES = [  # parser, text, expected content, expected [(name, arguments)]
     (Llama3JsonParser, "Hello {not json", "Hello {not json", []),
     (Llama3JsonParser, '{"name": "a", "parameters": {}} trailing', '{"name": "a", "parameters": {}} trailing', []),
     (Llama3JsonParser, "{oops", "{oops", []),
+    (PythonicParser, '[get_weather(city="Zürich", days=3), get_time()]', None,
+     [("get_weather", {"city": "Zürich", "days": 3}), ("get_time", {})]),
+    (PythonicParser, '<|python_start|>[search(q="日本", opts={"n": [1, 2]}, exact=True, lang=None)]<|python_end|>',
+     None, [("search", {"q": "日本", "opts": {"n": [1, 2]}, "exact": True, "lang": None})]),
+    (PythonicParser, "[brave_search.call(query='x')]", None, [("brave_search.call", {"query": "x"})]),
+    (PythonicParser, "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    (PythonicParser, '[f("positional")]', '[f("positional")]', []),  # keyword arguments only
+    (PythonicParser, "[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # literals only, never run
+    (PythonicParser, "Sure: [f(x=1)]", "Sure: [f(x=1)]", []),  # the whole message, or content
+    (PythonicParser, "[f(x=1", "[f(x=1", []),
     (MistralParser, 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"n": 1}}, {"name": "b", "arguments": {}}]',
      "Sure.", [("a", {"n": 1}), ("b", {})]),
     (MistralParser, '[TOOL_CALLS]a[ARGS]{"n": 1}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"n": 1}), ("b", {})]),
@@ -146,7 +156,7 @@ def test_forced_call_cut_short_keeps_its_partial_arguments() -> None:
 
 
 def test_registry() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     assert isinstance(make_parser("hermes", Q_TOOLS), HermesParser)
     # The gateway's parser for a request reads the request's tools: "12" is an integer for edit's line.
     assert _calls(extract(make_parser("qwen3_coder", Q_TOOLS), q("edit", line="12"))[1]) == [("edit", {"line": 12})]
