@@ -88,7 +88,7 @@ def _output_tokens(api: str, event: dict) -> int:
         return (event.get("usage") or {}).get("completion_tokens", 0)
     if api == "messages":
         return event.get("usage", {}).get("output_tokens", 0) if event.get("type") == "message_delta" else 0
-    if event.get("type") != "response.completed":
+    if event.get("type") not in ("response.completed", "response.incomplete"):  # incomplete: max_output_tokens
         return 0
     return (event["response"].get("usage") or {}).get("output_tokens", 0)
 
