@@ -80,6 +80,7 @@ def paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's query rows over its paged context, into out.
 
@@ -87,8 +88,9 @@ def paged_attention(
     is seq_lens[b] tokens including those rows, so row i sits at position
     seq_lens[b] - q_len + i and sees positions [0, that position], or with a sliding window
     the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). A ``softcap``
-    (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. fp32 math;
-    a quantized cache (scales given) is dequantised first.
+    (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. ``sinks`` (fp32
+    [num_heads], gpt-oss) gives each head one more logit that joins the softmax's denominator but has no value.
+    fp32 math; a quantized cache (scales given) is dequantised first.
     """
     group = query.shape[1] // key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -107,8 +109,17 @@ def paged_attention(
         hidden = keys > positions[:, None]
         if sliding_window:
             hidden |= keys <= positions[:, None] - sliding_window
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        probs = with_sinks(scores.masked_fill(hidden, float("-inf")), sinks).softmax(dim=-1)[..., :scores.shape[-1]]
         out[q0:q1] = (probs @ v).transpose(0, 1).to(out.dtype)
+
+
+def with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """scores [Hq, ..., n] with each head's sink logit appended as a last column (the softmax drops its
+    probability after); unchanged without sinks."""
+    if sinks is None:
+        return scores
+    column = sinks.float().view(-1, *(1,) * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, column), dim=-1)
 
 
 def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -159,16 +170,32 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0) -> torch.Tensor:
     """Each token's top-k experts, summed under their routing weights: hidden [T, H], w13 [E, 2 * I, H] (each
-    expert's gate rows, then its up rows), w2 [E, H, I], topk_ids int64 [T, k], topk_weights [T, k]. Expert e
-    maps x to silu_and_mul(x @ w13[e].T) @ w2[e].T in hidden's dtype; the weighted sum is fp32, rounded once."""
+    expert's gate rows, then its up rows), w2 [E, H, I], topk_ids int64 [T, k], topk_weights [T, k], optional
+    biases w13_bias [E, 2 * I] and w2_bias [E, H]. Expert e maps x to act(x @ w13[e].T + w13_bias[e]) @ w2[e].T
+    + w2_bias[e] in hidden's dtype, act silu_and_mul, or with ``swiglu_alpha`` > 0 gpt-oss's clamped SwiGLU
+    (``clamped_swiglu``); the weighted sum is fp32, rounded once."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for t in range(hidden.shape[0]):
         for e, weight in zip(topk_ids[t].tolist(), topk_weights[t].float()):
-            y = silu_and_mul(hidden[t:t + 1] @ w13[e].t()) @ w2[e].t()
-            out[t] += weight * y[0].float()
+            gate_up = add_bias(hidden[t:t + 1] @ w13[e].t(), w13_bias, e)
+            act = clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit) if swiglu_alpha > 0 else silu_and_mul(gate_up)
+            out[t] += weight * add_bias(act @ w2[e].t(), w2_bias, e)[0].float()
     return out.to(hidden.dtype)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
+    return y if bias is None else y + bias[expert]
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on x = [gate | up]: g = min(gate, limit), u = clamp(up, -limit, limit),
+    (u + 1) * g * sigmoid(g * alpha), in transformers' order."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -281,6 +308,7 @@ def paged_attention_split(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     partition_size: int = 512,
 ) -> None:
     """paged_attention as the split CUDA op computes it: a decode row (query length 1) in context partitions of
@@ -292,18 +320,19 @@ def paged_attention_split(
         if q1 - q0 == 1:
             k = gather_kv(key_cache, block_tables[b], seq_len, key_scale)
             v = gather_kv(value_cache, block_tables[b], seq_len, value_scale)
-            out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, softcap, partition_size).to(out.dtype)
+            out[q0] = split_decode_row(query[q0], k, v, scale, sliding_window, softcap, partition_size,
+                                       sinks).to(out.dtype)
         elif q1 > q0:
             one = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query_start_loc.device)
             paged_attention(out[q0:q1], query[q0:q1], key_cache, value_cache, block_tables[b:b + 1],
                             seq_lens[b:b + 1], one, q1 - q0, seq_len, scale, sliding_window, softcap,
-                            key_scale, value_scale)
+                            key_scale, value_scale, sinks)
 
 
 def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int,
-                     softcap: float, partition_size: int) -> torch.Tensor:
+                     softcap: float, partition_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decode row q [Hq, D] over dense k / v [Hkv, seq_len, D], fp32 [Hq, D]. Partitions wholly before the
-    window are skipped; the others each see their keys in [first, seq_len)."""
+    window are skipped; the others each see their keys in [first, seq_len). Sinks join at the merge."""
     seq_len, group = k.shape[1], q.shape[0] // k.shape[0]
     first = max(0, seq_len - sliding_window) if sliding_window else 0
     maxes, sums, partials = [], [], []
@@ -317,12 +346,17 @@ def split_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         maxes.append(m)
         sums.append(e.sum(dim=-1))
         partials.append((e[:, None] @ vp)[:, 0] / sums[-1][:, None])
-    if len(partials) == 1:  # the kernel writes a lone partition directly
+    if len(partials) == 1 and sinks is None:  # the kernel writes a lone partition directly
         return partials[0]
-    return merge_partitions(torch.stack(maxes), torch.stack(sums), torch.stack(partials))
+    return merge_partitions(torch.stack(maxes), torch.stack(sums), torch.stack(partials), sinks)
 
 
-def merge_partitions(maxes: torch.Tensor, sums: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-    """The merge kernel: partitions' maxes / sums [P, Hq] and normalised outs [P, Hq, D] -> [Hq, D]."""
-    weights = sums * (maxes - maxes.max(dim=0).values).exp()  # each partition's share of the softmax mass
-    return (weights[:, :, None] * partials).sum(dim=0) / weights.sum(dim=0)[:, None]
+def merge_partitions(maxes: torch.Tensor, sums: torch.Tensor, partials: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The merge kernel: partitions' maxes / sums [P, Hq] and normalised outs [P, Hq, D] -> [Hq, D]; a head's
+    sink logit joins the max and the denominator."""
+    sink = torch.full_like(maxes[0], float("-inf")) if sinks is None else sinks.float()
+    top = torch.maximum(maxes.max(dim=0).values, sink)
+    weights = sums * (maxes - top).exp()  # each partition's share of the softmax mass
+    total = weights.sum(dim=0) + (sink - top).exp()
+    return (weights[:, :, None] * partials).sum(dim=0) / total[:, None]

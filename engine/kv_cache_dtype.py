@@ -27,7 +27,8 @@ class KVCacheDtype:
             return cls(model_dtype, False)
         return cls(KV_CODE_DTYPES[name], True)
 
-    def token_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """One token's K and V across the layers: its elements, and a quantized cache's scales."""
+    def token_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int, parts: int = 2) -> int:
+        """One token's K and V (``parts`` 2; 1: one tensor read as both, MLA) across the layers: its elements,
+        and a quantized cache's scales."""
         scale_bytes = KV_SCALE_DTYPE.itemsize if self.quantized else 0
-        return 2 * num_layers * num_kv_heads * (head_dim * self.dtype.itemsize + scale_bytes)
+        return parts * num_layers * num_kv_heads * (head_dim * self.dtype.itemsize + scale_bytes)

@@ -15,6 +15,7 @@ from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KV_SCALE_DTYPE
 from engine.layers.attention import AttentionMetadata
+from engine.models.layer_kv import KVPoolGroup, pool_groups
 from engine.resolved_config import ResolvedConfig
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
 
@@ -85,25 +86,33 @@ class ModelRunner:
         m, sched = config.model_config, config.scheduler
         self.block_size = sched.block_size
         attention = model.attention_layers()
-        # This rank's KV heads only (all of them without tensor parallelism).
-        shape = (m.num_layers, 2, attention[0].num_kv_heads, sched.block_size, m.head_dim)
-        kv = config.kv_cache_dtype
-        self.kv_cache = _new_pool(sched.num_device_blocks, shape, kv.dtype, config.device)
-        self.cpu_cache = _cpu_pool(sched.num_cpu_blocks, shape, kv.dtype, self.device)
-        # A quantized cache's scales, one per (slot, KV head) of K and of V, in pools indexed by block like the
-        # codes', so every block move (swap, copy-on-write) moves a block's scales with it.
-        self.kv_scales = self.cpu_scales = None
-        if kv.quantized:
-            self.kv_scales = _new_pool(sched.num_device_blocks, shape[:-1], KV_SCALE_DTYPE, config.device)
-            self.cpu_scales = _cpu_pool(sched.num_cpu_blocks, shape[:-1], KV_SCALE_DTYPE, self.device)
-        for i, attn in enumerate(attention):
-            scales = () if self.kv_scales is None else (self.kv_scales[:, i, 0], self.kv_scales[:, i, 1])
-            attn.bind(ops, self.kv_cache[:, i, 0], self.kv_cache[:, i, 1], *scales)
+        # (device, CPU swap) pool pairs, all indexed by one block id: every block move applies to each.
+        self.pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        views: dict[int, tuple[torch.Tensor, ...]] = {}
+        for group in pool_groups(m.kv_layers()):  # one pool per K/V shape; this rank's KV heads only
+            views |= self._new_pools(group, attention[group.layers[0]].num_kv_heads, config)
+        for attn, layer in zip(attention, m.kv_layers()):  # a layer sharing K/V reads its source's blocks
+            attn.bind(ops, *views[layer.source])
         self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
         self.graphs: DecodeGraphs | None = None
         self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
         if config.decode_graphs:
             self.enable_decode_graphs()
+
+    def _new_pools(self, group: KVPoolGroup, num_kv_heads: int, config: ResolvedConfig
+                   ) -> dict[int, tuple[torch.Tensor, ...]]:
+        """The group's pools: its codes and, for a quantized cache, their scales (one per slot and KV head of K
+        and of V, indexed by block like the codes, so a block's scales move with it). Returns each layer's
+        views: K, V (and K, V scales); one tensor as both where the group stores it once (MLA's latent)."""
+        sched, kv = config.scheduler, config.kv_cache_dtype
+        shape = (len(group.layers), group.parts, num_kv_heads, sched.block_size, group.head_dim)
+        kinds = [(shape, kv.dtype)] + ([(shape[:-1], KV_SCALE_DTYPE)] if kv.quantized else [])
+        device_pools = []
+        for pool_shape, dtype in kinds:
+            device_pools.append(_new_pool(sched.num_device_blocks, pool_shape, dtype, self.device))
+            self.pools.append((device_pools[-1], _cpu_pool(sched.num_cpu_blocks, pool_shape, dtype, self.device)))
+        return {layer: tuple(pool[:, j, part] for pool in device_pools for part in (0, group.parts - 1))
+                for j, layer in enumerate(group.layers)}
 
     def enable_decode_graphs(self) -> None:
         """Decode-only steps from now on padded to ``DecodeGraphs``' buckets (captured as CUDA graphs on CUDA)."""
@@ -179,10 +188,7 @@ class ModelRunner:
 
     def _move_blocks(self, plan: StepPlan) -> None:
         # Order matters: swapped-out blocks may be reused by swap-ins and copies of this same step.
-        pools = [(self.kv_cache, self.cpu_cache)]
-        if self.kv_scales is not None:
-            pools.append((self.kv_scales, self.cpu_scales))
-        for device_pool, cpu_pool in pools:
+        for device_pool, cpu_pool in self.pools:
             if plan.swap_out.numel():
                 self.ops.swap_blocks(device_pool, cpu_pool, plan.swap_out)
             if plan.swap_in.numel():

@@ -16,6 +16,7 @@ from engine.demo_model import ensure_demo_model
 from engine.distributed.parallel_state import TensorParallel
 from engine.kv_cache_dtype import KVCacheDtype
 from engine.models.config import ModelConfig, read_model_config, resolve_dtype
+from engine.models.layer_kv import kv_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,15 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                          f"({model_config.max_position_embeddings})")
-    if config.attention_backend == "ext" and model_config.head_dim not in cuda_ext.HEAD_SIZES:
-        raise ValueError(f"{model_config.path!r} has head size {model_config.head_dim}; the compiled paged attention "
+    unsupported = {layer.head_dim for layer in model_config.kv_layers()} - set(cuda_ext.HEAD_SIZES)
+    if config.attention_backend == "ext" and unsupported:
+        raise ValueError(f"{model_config.path!r} has head size {min(unsupported)}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
     draft_bytes = _draft_token_bytes(config, device)  # a bad draft checkpoint fails before the long load
     model = load(model_config, device, dtype)
     kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, dtype)
-    # A rank stores only its KV heads of every block.
-    token_bytes = kv_dtype.token_bytes(model_config.num_layers, tp.kv_heads(model_config.num_kv_heads),
-                                       model_config.head_dim)
+    # A rank stores only its KV heads of every block; a layer sharing another's K/V stores none.
+    token_bytes = kv_token_bytes(model_config.kv_layers(), kv_dtype.token_bytes, tp.kv_heads)
     num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, draft_bytes,
                                                                      max_model_len, device, tp.size)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
@@ -88,7 +89,7 @@ def _draft_token_bytes(config: EngineConfig, device: torch.device) -> int:
         return 0
     draft = read_model_config(config.speculative_model)
     kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, resolve_dtype(config.dtype, draft.dtype, device.type))
-    return kv_dtype.token_bytes(draft.num_layers, draft.num_kv_heads, draft.head_dim)
+    return kv_token_bytes(draft.kv_layers(), kv_dtype.token_bytes)
 
 
 def _kv_blocks(config: EngineConfig, token_bytes: int, draft_bytes: int, max_model_len: int,

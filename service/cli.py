@@ -116,6 +116,7 @@ async def _serve_gateway(config: GatewayConfig) -> None:
 
     from engine.demo_model import ensure_demo_model
     from engine.models.config import context_length
+    from engine.pooler_config import PoolerConfig
     from service.connections import GuardedAppRunner
     from service.gateway import Gateway
     from service.gateway_app import build_app
@@ -125,7 +126,8 @@ async def _serve_gateway(config: GatewayConfig) -> None:
     path = config.model or ensure_demo_model()
     name = served_name(config.model, config.served_model_name)
     gateway = Gateway(config=config, tokenizer=load_tokenizer(path), model_name=name,
-                      max_model_len=config.max_model_len or context_length(path), broker=RedisGatewayBroker(config))
+                      max_model_len=config.max_model_len or context_length(path), broker=RedisGatewayBroker(config),
+                      pooler=PoolerConfig.from_model_dir(path))
     runner = GuardedAppRunner(build_app(gateway), config, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible gateway's generation endpoints (/v1/chat/completions, /v1/completions) and vLLM's
-/tokenize and /detokenize: each request's rules checked once, here at the edge; the prompt tokenized off the
-loop; the request admitted under its key's limits, submitted to the broker and answered by
-``service.streaming``. The broker is given (Redis in deployments, ``service.memory_broker`` in unit tests);
-``service.gateway_app`` builds the aiohttp application around a Gateway."""
+"""The OpenAI-compatible gateway's generation endpoints (/v1/chat/completions, /v1/completions), its embeddings
+(/v1/embeddings: one prefill-only engine request per input) and vLLM's /tokenize and /detokenize: each request's
+rules checked once, here at the edge; the prompt tokenized off the loop; the request admitted under its key's
+limits, submitted to the broker and answered by ``service.streaming``. The broker is given (Redis in deployments,
+``service.memory_broker`` in unit tests); ``service.gateway_app`` builds the aiohttp application around a Gateway."""
 from __future__ import annotations
 
 import json
@@ -14,22 +14,24 @@ from dataclasses import replace
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+from engine.pooler_config import PoolerConfig
 from engine.structured_output import check_structured_output
 
+from service import responses
 from service.assembler import OutputAssembler
 from service.broker_api import GatewayBroker
 from service.config import GatewayConfig
 from service.errors import APIError, BrokerUnavailable
 from service.limits import KeyLimits
-from service.messages import RequestMsg, StreamRecord, params_to_wire
+from service.messages import RequestMsg, StreamRecord, params_to_wire, pooling_to_wire
 from service.metrics import GatewayMetrics
 from service.prompts import Prompts
-from service.protocol import (GenerationRequest, TokenizeRequest, check_context, parse_chat, parse_completion,
-                              parse_detokenize, parse_json, parse_tokenize)
+from service.protocol import (GenerationRequest, TokenizeRequest, check_context, check_input_length, parse_chat,
+                              parse_completion, parse_detokenize, parse_embeddings, parse_json, parse_tokenize)
 from service.resume import Resumes, new_request_id, parse_event_id
 from service.served_model import ServedModel
 from service.server_errors import unavailable
-from service.streaming import Run, Serving, assembler_for, serve_runs
+from service.streaming import Run, Serving, assembler_for, gather_runs, serve_runs
 from service.tenancy import Tenancy
 from service.tokenizer_threads import TokenizerThreads
 from service.tools import check_tool_parser
@@ -37,12 +39,12 @@ from service.tools import check_tool_parser
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model_name: str,
-                 max_model_len: int, broker: GatewayBroker) -> None:
+                 max_model_len: int, broker: GatewayBroker, pooler: PoolerConfig | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.broker = broker
         self.gateway_id = broker.gateway_id
-        self.served = ServedModel(model_name, max_model_len, broker)
+        self.served = ServedModel(model_name, max_model_len, broker, pooler)
         self.metrics = GatewayMetrics(model_name, lambda: self.broker.engines)
         self.tenancy = Tenancy(config)
         self.threads = TokenizerThreads(config, tokenizer, self.tenancy)
@@ -98,17 +100,25 @@ class Gateway:
 
     @asynccontextmanager
     async def admitted(self, http: web.Request, req: GenerationRequest, body: bytes,
-                        start: float) -> AsyncIterator[Run]:
-        """One engine request from admission to its end: tokenized and checked, then queued with the key's
-        slot held. The admission owns what it took: leaving gives the slot back and ends the run (the reply
-        subscription, the engine's request and its KV blocks), or, when the request never reached the queue,
-        aborts it in case its queue entry landed all the same."""
+                       start: float) -> AsyncIterator[Run]:
+        """One engine request from admission to its end: tokenized and checked, then queued (``queued``)."""
         prompt_ids, assembler = await self.threads.run(http, self._prepare, req, bounded=True)
         check_context(req, len(prompt_ids), self.served.context_len())
-        self._check_capacity()
-        request_id = new_request_id(req.chat)
+        async with self.queued(http, req, body, prompt_ids, assembler, start) as run:
+            yield run
+
+    @asynccontextmanager
+    async def queued(self, http: web.Request, req: GenerationRequest, body: bytes, prompt_ids: list[int],
+                     assembler: OutputAssembler, start: float, batch_admitted: bool = False) -> AsyncIterator[Run]:
+        """A checked request queued with the key's slot held. The admission owns what it took: leaving gives
+        the slot back and ends the run (the reply subscription, the engine's request and its KV blocks), or,
+        when the request never reached the queue, aborts it in case its queue entry landed all the same.
+        ``batch_admitted``: the queue had room when its embeddings batch arrived (checked once for the batch)."""
+        if not batch_admitted:
+            self._check_capacity()
+        request_id = new_request_id(req)
         api_key, tenant = self.tenancy.api_key(http), self.tenancy.tenant_of(http)
-        await self.limits.acquire(api_key, tenant, request_id, len(prompt_ids) + req.params.max_tokens * req.params.n)
+        await self.limits.acquire(api_key, tenant, request_id, req.budget(len(prompt_ids)))
         run: Run | None = None
         try:
             msg, record = self._request_records(http, req, body, request_id, prompt_ids)
@@ -142,7 +152,9 @@ class Gateway:
                          prompt_ids: list[int]) -> tuple[RequestMsg, StreamRecord]:
         """The engine's message and the stored record a resume reads."""
         api_key, tenant, now = self.tenancy.api_key(http), self.tenancy.tenant_of(http), time.time()
-        msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_ids, params=params_to_wire(req.params),
+        pooling = None if req.pooling is None else pooling_to_wire(req.pooling)
+        msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_ids,
+                         params=params_to_wire(req.params) if pooling is None else {}, pooling=pooling,
                          gateway_id=self.gateway_id, arrival_time=now, model=self.served.name,
                          cache_salt=self.tenancy.cache_salt(http, req.cache_salt),
                          priority=req.priority + self.limits.policy(api_key).priority, tenant=tenant)
@@ -150,6 +162,45 @@ class Gateway:
                               prompt_token_ids=prompt_ids, created=int(now), arrival_ms=int(now * 1000),
                               tenant=tenant)
         return msg, record
+
+    # ---- /v1/embeddings (OpenAI's) ---------------------------------------------
+    async def embeddings(self, http: web.Request) -> web.Response:
+        """One engine request per input, all checked before any is queued; the vectors in input order."""
+        start, body = time.perf_counter(), await http.read()
+        req = parse_embeddings(parse_json(body))
+        self.served.check_name(req.model)
+        self.served.check_pooling(req.pooling)
+        ids = await self._input_ids(http, req.prompts)
+        req = replace(req, prompts=ids, prompt=ids[0])
+        # One admission for the batch, as OpenAI's 2,048 inputs (LangChain sends 1,000) may outnumber
+        # --max-pending-requests: their prefills then queue behind it.
+        self._check_capacity()
+        async with AsyncExitStack() as admitted:
+            # An empty assembler: nothing is decoded, the final event ends the run's one choice.
+            runs = [await admitted.enter_async_context(self.queued(http, one, one_body, one.prompt,
+                                                                   assembler_for(self.tokenizer, one, []), start,
+                                                                   batch_admitted=True))
+                    for one, one_body in _engine_requests(req, body, "input")]
+            vectors = await gather_runs(runs, Run.pooled)
+        if vectors is None:
+            return web.Response(status=499)  # nobody is listening
+        return web.json_response(responses.embeddings(vectors, req.encoding_format, self.served.name,
+                                                      sum(map(len, ids))))
+
+    async def _input_ids(self, http: web.Request, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each input's token ids, held to the vocabulary and the context; a 400 names the input (its index in
+        a list). Every size is capped before any input is tokenized."""
+        context = self.served.context_len()
+        params = [f"input[{i}]" for i in range(len(inputs))] if len(inputs) > 1 else ["input"]
+        for one, param in zip(inputs, params):
+            self.prompts.check_size(None, None, [one], context, param=param)
+
+        def tokenized() -> list[list[int]]:
+            ids = [self.prompts.prompt_ids(one, param) for one, param in zip(inputs, params)]
+            for one, param in zip(ids, params):
+                check_input_length(len(one), context, param)
+            return ids
+        return await self.threads.run(http, tokenized, bounded=True)
 
     # ---- /tokenize, /detokenize (vLLM's) -------------------------------------
     async def tokenize(self, http: web.Request) -> web.Response:
@@ -170,11 +221,12 @@ class Gateway:
         return web.json_response({"prompt": await self.threads.run(http, self.tokenizer.decode, ids, bounded=True)})
 
 
-def _engine_requests(req: GenerationRequest, body: bytes) -> list[tuple[GenerationRequest, bytes]]:
-    """One engine request per prompt, each stored with its own prompt (so each resumes alone); a list of
-    prompts is answered as one response whose choice k * n + i is choice i of prompt k."""
+def _engine_requests(req: GenerationRequest, body: bytes,
+                     field: str = "prompt") -> list[tuple[GenerationRequest, bytes]]:
+    """One engine request per prompt, each stored with its own prompt in ``field`` (so each resumes alone); a
+    list of prompts is answered as one response whose choice k * n + i is choice i of prompt k."""
     if len(req.prompts) <= 1:
         return [(req, body)]
     fields = json.loads(body)
     return [(replace(req, prompt=prompt, prompts=[prompt], params=replace(req.params)),
-             json.dumps({**fields, "prompt": prompt}).encode()) for prompt in req.prompts]
+             json.dumps({**fields, field: prompt}).encode()) for prompt in req.prompts]

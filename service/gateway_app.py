@@ -37,6 +37,7 @@ def build_app(gateway: Gateway) -> web.Application:
 def _add_routes(router: web.UrlDispatcher, gateway: Gateway, status: Status) -> None:
     router.add_post("/v1/chat/completions", gateway.chat_completions)
     router.add_post("/v1/completions", gateway.completions)
+    router.add_post("/v1/embeddings", gateway.embeddings)
     translated = api_routes.TranslatedRoutes(gateway)
     router.add_post("/v1/messages", translated.messages)
     router.add_post("/v1/messages/count_tokens", translated.count_tokens)

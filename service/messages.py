@@ -15,14 +15,16 @@ import numpy as np
 
 from engine.core.kv_snapshot import KVSnapshot, PoolSnapshot
 from engine.outputs import CompletionOutput, TokenLogprobs
+from engine.pooling_params import PoolingParams
 from engine.stats import EngineStats
 
 # 2: a Heartbeat's figures are EngineStats fields; 3: a RequestMsg names its model; 4: its params carry
 # beam search (use_beam_search, best_of, length_penalty, early_stopping); 5: replies travel in one
 # ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
 # carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
-# 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size
-SCHEMA_VERSION = 8
+# 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size; 8: a RequestMsg carries its tenant,
+# a KV snapshot's requests theirs; 9: a RequestMsg may carry pooling (an embedding request), events an embedding
+SCHEMA_VERSION = 9
 
 T = TypeVar("T")
 
@@ -44,6 +46,8 @@ class RequestMsg:
     cache_salt: str | None = None
     priority: int = 0  # lower is scheduled first (vLLM's convention)
     tenant: str = ""  # HMAC of the API key: whose request it is (the KV snapshot hides other tenants' ids)
+    # PoolingParams fields: an embedding request (its prompt's prefill only; ``params`` is then empty).
+    pooling: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +90,8 @@ class ReplyEvent:
     index: int = -1
     # The prompt's logprobs (RequestOutput.prompt_logprobs), on the first OUTPUT event of a request that asked.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # An embedding request's vector (RequestOutput.embedding) as float32 little-endian bytes, on its final event.
+    embedding: bytes | None = None
 
     def __post_init__(self) -> None:
         if type(self.kind) is not EventKind:  # a decoded event carries the plain string (the check: 10x cheaper)
@@ -106,8 +112,8 @@ CONTROL_INDEX = -1
 class ReplyBatch:
     """Everything one engine step says to one gateway, one stream entry: the worker's cost per step is
     O(gateways), not O(requests). On the wire the events are arrays, not maps (a step carries hundreds):
-    ``[request_id, index, kind, choices, finished, num_cached_tokens, error, status, prompt_logprobs]`` with each choice
-    ``[index, token_ids, logprobs, finish_reason]``; the engine id and incarnation are said once."""
+    ``[request_id, index, kind, choices, finished, num_cached_tokens, error, status, prompt_logprobs, embedding]``
+    with each choice ``[index, token_ids, logprobs, finish_reason]``; the engine id and incarnation are said once."""
 
     engine_id: str
     incarnation: str
@@ -231,23 +237,26 @@ def decode_kv_snapshot(payload: bytes) -> KVSnapshotMsg:
 
 
 # A ReplyBatch event on the wire: ``[request_id, index, kind, choices, finished, num_cached_tokens, error,
-# status, prompt_logprobs]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker builds rows directly
-# (``output_row`` runs per request per step, its hottest line); gateways decode them into ReplyEvents.
+# status, prompt_logprobs, embedding]``, each choice ``[index, token_ids, logprobs, finish_reason]``. The worker
+# builds rows directly (``output_row`` runs per request per step, its hottest line); gateways decode them into
+# ReplyEvents.
 EventRow = list
 ROW_FINISHED = 4
+EMBEDDING_DTYPE = "<f4"  # what the openai SDK decodes a base64 embedding as (numpy float32, little-endian)
 _OUTPUT = EventKind.OUTPUT.value
 
 
 def event_row(request_id: str, e: ReplyEvent) -> EventRow:
     return [request_id, e.index, e.kind.value, _choice_rows(e.choices), e.finished, e.num_cached_tokens, e.error,
-            e.status, e.prompt_logprobs]
+            e.status, e.prompt_logprobs, e.embedding]
 
 
 def output_row(request_id: str, index: int, outputs: list[CompletionOutput], finished: bool,
-               num_cached_tokens: int, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> EventRow:
+               num_cached_tokens: int, prompt_logprobs: list[TokenLogprobs | None] | None = None,
+               embedding: list[float] | None = None) -> EventRow:
     """An OUTPUT event's row straight from the engine's outputs (no ReplyEvent, no ChoiceDelta)."""
     return [request_id, index, _OUTPUT, _choice_rows(outputs), finished, num_cached_tokens, None, 500,
-            prompt_logprobs]
+            prompt_logprobs, None if embedding is None else np.asarray(embedding, EMBEDDING_DTYPE).tobytes()]
 
 
 def _choice_rows(choices: list[ChoiceDelta] | list[CompletionOutput]) -> list[list]:
@@ -271,8 +280,9 @@ def decode_batch(payload: bytes) -> ReplyBatch:
         events = [(rid, ReplyEvent(kind=_EVENT_KINDS[kind], engine_id=engine_id, incarnation=incarnation,
                                    choices=[ChoiceDelta(i, t, lp, r) for i, t, lp, r in choices], finished=finished,
                                    num_cached_tokens=cached, error=error, status=status, index=index,
-                                   prompt_logprobs=prompt_lps))
-                  for rid, index, kind, choices, finished, cached, error, status, prompt_lps in body["events"]]
+                                   prompt_logprobs=prompt_lps, embedding=embedding))
+                  for rid, index, kind, choices, finished, cached, error, status, prompt_lps, embedding
+                  in body["events"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise SchemaError(f"malformed ReplyBatch: {exc!r}") from exc
     return ReplyBatch(engine_id, incarnation, events)
@@ -297,6 +307,11 @@ def params_to_wire(params: Any) -> dict[str, Any]:
     if wire["logit_bias"] is not None:
         wire["logit_bias"] = [[token, bias] for token, bias in wire["logit_bias"].items()]
     return wire
+
+
+def pooling_to_wire(params: PoolingParams) -> dict[str, Any]:
+    """PoolingParams as a plain map; the worker rebuilds (and re-validates) it."""
+    return _fields(params)
 
 
 def _fields(msg: Any) -> dict[str, Any]:

@@ -17,13 +17,14 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from engine.field_specs import value_bounds, value_type
+from engine.pooler_config import PoolerConfig
 from engine.sampling_params import FIXED_BY_BEAM_SEARCH, SamplingParams
 from engine.structured_output import MAX_CHOICES
 
 from service import dashboard
 from service.config import GatewayConfig
-from service.protocol import (_TEMPLATE_ARGS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES,
-                              SO_SOURCES)
+from service.protocol import (_TEMPLATE_ARGS, EMBEDDING_ENCODINGS, MAX_CACHE_SALT_CHARS, MAX_EMBEDDING_INPUTS,
+                              MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES, SO_SOURCES)
 from service.tools import MAX_TOOLS, TOOL_NAME
 
 # Routes that answer without an API key: the probes (Kubernetes' httpGet probes cannot send one; /ready
@@ -128,9 +129,16 @@ _CHAT = {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MES
          "chat_template_kwargs": _TEMPLATE_KWARGS}
 _TEXT_PROMPT = {"type": "string", "minLength": 1}
 _ID_PROMPT = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-_COMPLETION = {**_SAMPLING, "prompt": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT, {
-    "type": "array", "minItems": 1, "description": "a list of prompts: choice k * n + i is choice i of prompt k",
-    "items": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT]}}]}, "logprobs": _param(_PARAMS["logprobs"]),
+
+
+def _prompts(listed: dict[str, Any]) -> dict[str, Any]:
+    """A prompt (text or token ids), or a list of them (``listed``: that list's own keywords)."""
+    return {"oneOf": [_TEXT_PROMPT, _ID_PROMPT, {"type": "array", "minItems": 1, **listed,
+                                                 "items": {"oneOf": [_TEXT_PROMPT, _ID_PROMPT]}}]}
+
+
+_COMPLETION = {**_SAMPLING, "prompt": _prompts({"description": "a list of prompts: choice k * n + i is choice i of "
+                                                               "prompt k"}), "logprobs": _param(_PARAMS["logprobs"]),
     "echo": {"type": "boolean",
              "description": "the prompt (and, with logprobs, its tokens' logprobs) before the completion; with "
                             "max_tokens=0 the prompt alone; not with stream"},
@@ -221,6 +229,9 @@ _GENERATION_ERRORS = {"400": "invalid parameters, or a prompt too long for the c
                              "or token-rate limit reached (see Retry-After)",
                       "503": "Redis or every engine unavailable, or no engine took the request in time (see "
                              "Retry-After)", **_BODY_ERRORS}
+_EMBEDDING_ERRORS = {**_GENERATION_ERRORS, "404": "unknown model",
+                     "400": "invalid parameters, token ids outside the vocabulary, an input longer than the context, "
+                            "or dimensions the model cannot give"}
 _TOKENIZER_ERRORS = {"400": "invalid body, token ids outside the vocabulary, or more than the context holds",
                      "404": "unknown model", "429": "the tokenizer queue of this API key is full (see Retry-After)",
                      **_BODY_ERRORS}
@@ -272,10 +283,32 @@ def _resume_op() -> dict[str, Any]:
                                   **errors}}}
 
 
-def _post_op(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
+def _post_op(summary: str, schema: dict[str, Any], answer: str,
+             errors: dict[str, str] = _TOKENIZER_ERRORS) -> dict[str, Any]:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
-            "application/json": {}}}, **_errors(_TOKENIZER_ERRORS)}}}
+            "application/json": {}}}, **_errors(errors)}}}
+
+
+def _embeddings_schema(model_name: str, pooler: PoolerConfig | None) -> dict[str, Any]:
+    """OpenAI's embeddings body as this server takes it (service.protocol.parse_embeddings)."""
+    return {"type": "object", "required": ["input"], "properties": {
+        "model": {"enum": [model_name]}, "user": {"type": "string"},
+        "input": _prompts({"maxItems": MAX_EMBEDDING_INPUTS, "description": "one vector per input, in order"}),
+        "encoding_format": {"enum": list(EMBEDDING_ENCODINGS), "default": "float",
+                            "description": "base64: of the vector's float32 little-endian bytes"},
+        "dimensions": _dimensions(pooler)}}
+
+
+def _dimensions(pooler: PoolerConfig | None) -> dict[str, Any]:
+    """The Matryoshka dimensions the checkpoint gives (PoolerConfig.check_dimensions' rule): the vector's first
+    ``dimensions``, normalized again."""
+    if pooler is None or not pooler.is_matryoshka:
+        return {"not": {}, "description": "not taken: the checkpoint's config.json sets neither is_matryoshka nor "
+                                          "matryoshka_dimensions"}
+    if pooler.matryoshka_dimensions:
+        return {"enum": [d for d in pooler.matryoshka_dimensions if 1 <= d <= pooler.hidden_size]}
+    return {"type": "integer", "minimum": 1, "maximum": pooler.hidden_size}
 
 
 _ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
@@ -414,7 +447,8 @@ def _with_auth(path: str, operation: dict[str, Any], config: GatewayConfig) -> d
     return operation | {"security": [{"bearer": []}], "responses": {**operation["responses"], **_errors(refusals)}}
 
 
-def openapi_document(model_name: str, config: GatewayConfig | None = None) -> dict[str, Any]:
+def openapi_document(model_name: str, config: GatewayConfig | None = None,
+                     pooler: PoolerConfig | None = None) -> dict[str, Any]:
     config = config or GatewayConfig()
     chat, completion = (_with_server_caps(p, model_name, config) for p in (_CHAT, _COMPLETION))
     paths = {
@@ -422,6 +456,9 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None) -> di
                                                _generation_rules(config, chat=True)),
         "/v1/completions": _generation_op("Text completion", completion, ["prompt"],
                                           _generation_rules(config, chat=False)),
+        "/v1/embeddings": _post_op("Embeddings: a vector per input, pooled as the checkpoint says",
+                                   _embeddings_schema(model_name, pooler), "{object: list, data: [{object: embedding, index, "
+                                   "embedding}], model, usage}", _EMBEDDING_ERRORS),
         "/v1/streams/{request_id}": _resume_op(),
         "/v1/messages": _translated_op("Anthropic Messages: a message, or its stream of events",
                                        _messages_schema(model_name, count_only=False),

@@ -51,13 +51,28 @@ class Prompts:
             if req.chat:
                 ids = self._render_chat(req.messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs)
             else:
-                ids = req.prompt if isinstance(req.prompt, list) else encode_prompt(self._tokenizer, req.prompt)
+                ids = self._tokens(req.prompt)
+        self._checked("prompt", ids)
         req.params.top_k = min(req.params.top_k, len(self._tokenizer))  # beyond the vocabulary, top-k keeps all
-        for name, values in (("prompt", ids), ("stop_token_ids", req.params.stop_token_ids),
+        for name, values in (("stop_token_ids", req.params.stop_token_ids),
                              ("logit_bias", list(req.params.logit_bias or ()))):
             self.check_ids(name, values)
+        return ids
+
+    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """A text's token ids, or token ids, held to the vocabulary; a 400 naming ``param`` if empty."""
+        with _client_errors(param):
+            ids = self._tokens(prompt)
+        return self._checked(param, ids)
+
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        return prompt if isinstance(prompt, list) else encode_prompt(self._tokenizer, prompt)
+
+    def _checked(self, param: str, ids: list[int]) -> list[int]:
+        """``ids``, held to the vocabulary and non-empty."""
+        self.check_ids(param, ids)
         if not ids:
-            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+            raise APIError(400, "the prompt is empty after tokenization", param=param)
         return ids
 
     def encode_tokenize(self, req: TokenizeRequest) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.context_length import ContextLengthError, fit_max_tokens
 from engine.field_specs import value_type
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
 
@@ -49,6 +50,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 2**31 - 1  # vLLM's priority is an int; a bound keeps it one on every wire
 MAX_JSON_DEPTH = 32  # a chat body needs 4 (body, messages, message, content parts)
+EMBEDDING_ENCODINGS = ("float", "base64")
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+_EMBEDDINGS = {"input", "model", "encoding_format", "dimensions", "user"}  # user: accepted, without effect
 
 
 @dataclass(slots=True)
@@ -77,6 +81,13 @@ class GenerationRequest:
     want_logprobs: bool = False
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower is scheduled first; the API key's priority is added by the gateway
+    # An embedding request: its prompt's prefill only, answered with a vector (``params`` then samples nothing).
+    pooling: PoolingParams | None = None
+    encoding_format: str = "float"  # an embedding's, in the response: "float" or "base64"
+
+    def budget(self, num_prompt_tokens: int) -> int:
+        """The tokens charged to the API key at admission: the prompt, and max_tokens per choice."""
+        return num_prompt_tokens + (0 if self.pooling is not None else self.params.max_tokens * self.params.n)
 
 
 @dataclass(slots=True)
@@ -200,9 +211,25 @@ def parse_completion(body: Any, config: GatewayConfig) -> GenerationRequest:
     request = _parse_common(body, config, chat=False, max_tokens=1 if echo_only else max_tokens,
                             logprobs=_get(body, "logprobs", int, None), echo=echo)
     request.echo, request.echo_only = echo, echo_only
-    request.prompts = _parse_prompts(body.get("prompt"), config)
+    request.prompts = parse_prompts(body.get("prompt"), "prompt", config.max_prompts)
     request.prompt = request.prompts[0]
     return request
+
+
+def parse_embeddings(body: Any) -> GenerationRequest:
+    """An embeddings body: its inputs as ``prompts`` (one engine request each), ``dimensions`` as its pooling
+    (checked against the model by the gateway)."""
+    body = require_object(body)
+    _log_unknown(body, _EMBEDDINGS)
+    encoding = _get(body, "encoding_format", str, "float")
+    if encoding not in EMBEDDING_ENCODINGS:
+        raise APIError(400, f"encoding_format must be one of {', '.join(EMBEDDING_ENCODINGS)}, got {encoding[:20]!r}",
+                       param="encoding_format")
+    prompts = parse_prompts(body.get("input"), "input", MAX_EMBEDDING_INPUTS)
+    # params: the run's one choice, which the final event ends (the engine samples nothing for a pooling request)
+    return GenerationRequest(chat=False, model=_get(body, "model", str, None), params=SamplingParams(max_tokens=1),
+                             prompts=prompts, prompt=prompts[0], encoding_format=encoding,
+                             pooling=PoolingParams(dimensions=_get(body, "dimensions", int, None)))
 
 
 def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_tokens: int | None,
@@ -353,16 +380,16 @@ def _parse_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def _parse_prompts(prompt: Any, config: GatewayConfig) -> list[str | list[int]]:
-    """A prompt (text or token ids), or a list of them: one engine request each."""
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-    if len(batch) > config.max_prompts:
-        raise APIError(400, f"'prompt' lists {len(batch)} prompts, this server takes at most {config.max_prompts} "
-                            "per request", param="prompt")
+def parse_prompts(value: Any, param: str, most: int) -> list[str | list[int]]:
+    """A prompt (text or token ids), or a list of them (at most ``most``): one engine request each."""
+    batch = value if isinstance(value, list) and value and isinstance(value[0], (str, list)) else [value]
+    if len(batch) > most:
+        raise APIError(400, f"'{param}' lists {len(batch)} prompts, this server takes at most {most} per request",
+                       param=param)
     prompts = [_prompt(p) for p in batch]
     if not all(prompts):
-        raise APIError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
-                            "those", param="prompt")
+        raise APIError(400, f"'{param}' must be a non-empty string, a non-empty list of token ids, or a list of "
+                            "those", param=param)
     return prompts
 
 
@@ -554,3 +581,10 @@ def check_context(request: GenerationRequest, num_prompt_tokens: int, max_model_
     if params.min_tokens > params.max_tokens:
         raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the room left for the completion "
                             f"({params.max_tokens} tokens)", param="min_tokens")
+
+
+def check_input_length(num_tokens: int, max_model_len: int, param: str) -> None:
+    """An embedding input runs its prefill alone: it may fill the context, not pass it (the engine's rule)."""
+    if num_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, {param} has "
+                            f"{num_tokens} tokens.", param=param, code="context_length_exceeded")

@@ -1,19 +1,32 @@
-"""OpenAI response bodies and stream chunks, built from ChoiceUpdates."""
+"""OpenAI response bodies and stream chunks, built from ChoiceUpdates; embeddings lists."""
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import TokenLogprobs
 
 from service.assembler import ChoiceUpdate
+from service.messages import EMBEDDING_DTYPE
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def embeddings(vectors: list[bytes], encoding_format: str, model: str, prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's list of embeddings, in input order; each vector (float32 little-endian bytes, as the engine's
+    wire carries it) as numbers, or ``base64`` of those bytes (what the openai SDK asks for and decodes)."""
+    data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v).decode("ascii")
+             if encoding_format == "base64" else np.frombuffer(v, EMBEDDING_DTYPE).tolist()}
+            for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def sum_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:

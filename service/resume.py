@@ -12,7 +12,7 @@ from aiohttp import web
 
 from service.broker_api import Resumed
 from service.errors import APIError, BrokerUnavailable
-from service.protocol import parse_chat, parse_completion, parse_json
+from service.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from service.server_errors import unavailable
 from service.streaming import Run, Serving, assembler_for, serve_runs
 from service.tenancy import Tenancy
@@ -22,8 +22,10 @@ _REQUEST_ID = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}", re.ASCII)
 _EVENT_ID = re.compile(rf"({_REQUEST_ID.pattern}):([0-9]{{1,9}})", re.ASCII)
 
 
-def new_request_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+def new_request_id(req: GenerationRequest) -> str:
+    """``embd-`` for an embedding: no stream of it resumes (``_REQUEST_ID`` names it unknown)."""
+    kind = "embd" if req.pooling is not None else "chatcmpl" if req.chat else "cmpl"
+    return f"{kind}-{uuid.uuid4().hex}"
 
 
 def parse_event_id(value: str) -> tuple[str, int]:

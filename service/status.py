@@ -54,7 +54,7 @@ class Status:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, _: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self._served.name, self._config))
+        return web.json_response(openapi_document(self._served.name, self._config, self._served.pooler))
 
     async def dashboard_page(self, http: web.Request) -> web.Response:
         body, content_type = dashboard.page(http.path)

@@ -76,6 +76,7 @@ class Run:
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[Any] | None = None  # the engine's, from the first event that has them
+        self.embedding: bytes | None = None  # an embedding request's vector, from its final event
         self.engine_done = False
         self.client_gone = False
         self.handed_over = False  # its subscription went to a newer connection (or was lost): not its to end
@@ -178,6 +179,8 @@ class Run:
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = event.prompt_logprobs
+        if event.embedding is not None:
+            self.embedding = event.embedding
         if self.skip_through is not None or not any(c.token_ids for c in event.choices):  # a replay: no latency
             return
         now = time.perf_counter()
@@ -198,6 +201,15 @@ class Run:
         return responses.usage(len(self.prompt_ids), completion_tokens, self.num_cached_tokens)
 
     # ---- non-streaming ----------------------------------------------------
+    async def pooled(self) -> bytes:
+        """An embedding request's vector (float32, little-endian), once the engine finished it."""
+        async for _ in self.updates():
+            pass
+        if self.embedding is None:  # the engine aborted it (no error event came, and no vector)
+            raise internal_error(f"{self.request_id} ended without its embedding", self.request_id,
+                                 with_traceback=False)
+        return self.embedding
+
     async def complete(self) -> dict[str, Any]:
         """The whole response body."""
         lp_parts: list[list[dict[str, Any]]] = [[] for _ in range(self.req.params.n)]
@@ -304,16 +316,22 @@ async def serve_runs(runs: list[Run]) -> web.StreamResponse:
     is choice k * n + i, usage summed)."""
     if runs[0].req.stream:
         return await stream_runs(runs)
-    tasks = [asyncio.ensure_future(run.guarded(run.complete())) for run in runs]
+    bodies = await gather_runs(runs, Run.complete)
+    if bodies is None:
+        return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
+    return web.json_response(responses.merge_prompts(bodies, runs[0].req.params.n))
+
+
+async def gather_runs(runs: list[Run], work: Callable[[Run], Awaitable[T]]) -> list[T] | None:
+    """``work`` of every run at once; None when the client went away."""
+    tasks = [asyncio.ensure_future(run.guarded(work(run))) for run in runs]
     try:
-        bodies = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()  # an engine error in one prompt fails the response: the others stop too
         raise
-    if any(body is None for body in bodies):
-        return web.Response(status=499)  # nobody is listening; nginx's "client closed request"
-    return web.json_response(responses.merge_prompts(bodies, runs[0].req.params.n))
+    return None if any(result is None for result in results) else results
 
 
 async def stream_runs(runs: list[Run]) -> web.StreamResponse:

@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 from service.broker_api import Pulled, Reply, WorkerBroker, kv_snapshot_ttl_s
@@ -157,7 +158,7 @@ class Worker:
                     log.error("dropping %s", item.error)
                 await self._quietly(self.broker.ack(item.handle))  # nothing left to say
                 continue
-            params = _sampling_params(item.msg)
+            params = _engine_params(item.msg)
             run = Run.pulled(item, params.n if isinstance(params, SamplingParams) else 1)
             if item.deliveries >= self.config.max_deliveries:
                 reason = f"failed on {item.deliveries} engines"
@@ -175,7 +176,7 @@ class Worker:
         except BrokerUnavailable as exc:  # the entry stays pending; a later reclaim meets it again
             log.warning("broker call failed: %s", exc)
 
-    def _add(self, item: Pulled, run: Run, params: SamplingParams | Exception) -> EventRow | None:
+    def _add(self, item: Pulled, run: Run, params: SamplingParams | PoolingParams | Exception) -> EventRow | None:
         """The request into the engine, or the event that ends it at once."""
         msg = item.msg
         if self._runs.aborted(msg.request_id):
@@ -257,11 +258,11 @@ class Worker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _sampling_params(msg: RequestMsg) -> SamplingParams | Exception:
+def _engine_params(msg: RequestMsg) -> SamplingParams | PoolingParams | Exception:
     """Built once per request, before its run (``n`` sizes it); what the build raised fails the request alone
-    (``Worker._rejected``)."""
+    (``Worker._rejected``). An embedding request carries PoolingParams instead of sampling ones."""
     try:
-        return SamplingParams(**msg.params)
+        return SamplingParams(**msg.params) if msg.pooling is None else PoolingParams(**msg.pooling)
     except Exception as exc:
         return exc
 

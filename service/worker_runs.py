@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput, ResumeState
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 from service.broker_api import Pulled, Reply, RequestHandle
@@ -43,9 +44,10 @@ class Run:
         tokens, reasons = item.resume.choices(n)
         return cls(item.handle, item.resume.next_index, tokens, reasons, tenant=item.msg.tenant)
 
-    def resume_state(self, params: SamplingParams) -> ResumeState | None:
-        """The engine continues from the delivered tokens; beam search (published only at its end) restarts."""
-        if params.use_beam_search or not any(self.tokens):
+    def resume_state(self, params: SamplingParams | PoolingParams) -> ResumeState | None:
+        """The engine continues from the delivered tokens; beam search (published only at its end) and an
+        embedding request (it delivers no tokens) restart."""
+        if not any(self.tokens) or params.use_beam_search:
             self.tokens, self.reasons = [[] for _ in self.tokens], [None] * len(self.reasons)
             return None
         return ResumeState([list(t) for t in self.tokens], list(self.reasons))
@@ -130,7 +132,7 @@ class Runs:
         run.num_cached_tokens = out.num_cached_tokens
         run.next_index += 1
         return run.handle, output_row(out.request_id, run.next_index - 1, out.outputs, out.finished,
-                                      out.num_cached_tokens, out.prompt_logprobs)
+                                      out.num_cached_tokens, out.prompt_logprobs, out.embedding)
 
     def row(self, handle: RequestHandle, kind: EventKind, **fields: Any) -> EventRow:
         return event_row(handle.request_id, ReplyEvent(kind, self._engine_id, self._incarnation, **fields))

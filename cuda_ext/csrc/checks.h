@@ -92,12 +92,23 @@ inline bool check_reshape_and_cache(const at::Tensor& key, const at::Tensor& val
   return quantized;
 }
 
+// Attention sinks (gpt-oss): one fp32 logit per query head, dense, beside the query.
+inline void check_sinks(const c10::optional<at::Tensor>& sinks, const at::Tensor& query) {
+  if (!sinks) return;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == query.size(1) &&
+                  sinks->is_contiguous(),
+              "paged_attention: sinks must be contiguous float32 [num_heads=", query.size(1), "], got ",
+              sinks->scalar_type(), " ", sinks->sizes());
+  check_same_device(*sinks, query, "paged_attention sinks");
+}
+
 // Returns whether the cache is quantized (scales given).
 inline bool check_paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                   const c10::optional<at::Tensor>& key_scale,
-                                  const c10::optional<at::Tensor>& value_scale) {
+                                  const c10::optional<at::Tensor>& value_scale,
+                                  const c10::optional<at::Tensor>& sinks) {
   check_cache(key_cache, value_cache);
   const bool quantized = check_kv_scales(key_cache, key_scale, value_scale, "paged_attention");
   const int64_t d = key_cache.size(3);
@@ -120,6 +131,7 @@ inline bool check_paged_attention(const at::Tensor& out, const at::Tensor& query
   for (const at::Tensor* t : {&out, &query, &block_tables, &seq_lens, &query_start_loc})
     check_same_device(*t, key_cache, "paged_attention");
   check_head_size(key_cache.size(3));
+  check_sinks(sinks, query);
   return quantized;
 }
 

@@ -16,7 +16,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t max_query_len, int64_t max_seq_len, double scale,
                          int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scale,
-                         const c10::optional<at::Tensor>& value_scale);
+                         const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
 bool skinny_linear_supports_cpu(at::ScalarType dtype);
@@ -70,6 +70,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const c10::optional<at::Tensor>& value_scale);
 // Sparse MoE experts as grouped GEMMs (cpu/moe.cpp): ATen ops only, registered for CPU and CUDA alike.
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_ids, const at::Tensor& topk_weights);
+                     const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
+                     double swiglu_alpha, double swiglu_limit);
 
 }  // namespace pagedserve

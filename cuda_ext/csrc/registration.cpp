@@ -11,12 +11,13 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor slot_mapping, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, float scale, "
-        "int sliding_window=0, float softcap=0.0, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
+        "int sliding_window=0, float softcap=0.0, Tensor? key_scale=None, Tensor? value_scale=None, "
+        "Tensor? sinks=None) -> ()");
   // The split (flash-decoding) kernels on CUDA; on the CPU the same kernel as paged_attention.
   m.def("paged_attention_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
         "float scale, int sliding_window=0, float softcap=0.0, Tensor? key_scale=None, "
-        "Tensor? value_scale=None) -> ()");
+        "Tensor? value_scale=None, Tensor? sinks=None) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -32,7 +33,9 @@ TORCH_LIBRARY(pagedserve, m) {
         "float eps, float scale, int sliding_window=0, Tensor(d!)? key_scale=None, Tensor(e!)? value_scale=None) "
         "-> Tensor");
   // Each token's top-k experts' SiLU-gated MLPs, summed under their routing weights (cpu/moe.cpp).
-  m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights) -> Tensor");
+  // Optional expert biases and gpt-oss's clamped SwiGLU (swiglu_alpha > 0; 0: SiLU-and-mul).
+  m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, Tensor? w13_bias=None, "
+        "Tensor? w2_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");

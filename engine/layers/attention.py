@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cuda_ext import KernelOps
+from engine.layers.linear import Shard
 
 
 @dataclass(slots=True)
@@ -22,10 +23,10 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Stateless but for its cache views, which the model runner binds once."""
+    """Stateless but for its cache views, which the model runner binds once, and (gpt-oss) its sink logits."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: Shard | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -38,6 +39,13 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None  # a quantized cache's scales (cuda_ext/reference.py); else None
         self.v_scale: torch.Tensor | None = None
+        # gpt-oss: one logit per head joining the softmax's denominator; ``sinks`` is this rank's share of the
+        # checkpoint's (one per query head).
+        self.sink_shard = sinks
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+
+    def checkpoint_shard(self, param: str, part: None) -> Shard | None:
+        return self.sink_shard
 
     def bind(self, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
@@ -49,8 +57,14 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention used before the model runner bound its KV cache")
         self.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, key_scale=self.k_scale,
                                    value_scale=self.v_scale)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the bound cache as it is, this step's K/V already in it: alone, for a layer that reads
+        another layer's K/V (Gemma 4's shared layers)."""
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                 self.sliding_window, self.softcap, key_scale=self.k_scale, value_scale=self.v_scale)
+                                 self.sliding_window, self.softcap, key_scale=self.k_scale, value_scale=self.v_scale,
+                                 sinks=None if self.sinks is None else self.sinks.float())  # the kernels' fp32
         return out.view(q.shape[0], -1)

@@ -39,3 +39,19 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma4RMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: ``x * (mean(x^2) + eps) ** -0.5`` in fp32 (its pow, not an rsqrt, so the rounding is
+    transformers'), scaled by ``weight`` before the cast; without a weight where ``scaled`` is False (its value
+    norm)."""
+
+    def __init__(self, size: int, eps: float, scaled: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size)) if scaled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        normed = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (normed if self.weight is None else normed * self.weight.float()).to(x.dtype)

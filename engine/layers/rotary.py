@@ -15,7 +15,7 @@ from engine.layers.attention import AttentionMetadata
 # Each scaling's fields that transformers reads without a default.
 _REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
              "longrope": ("short_factor", "long_factor"),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "proportional": ()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ def rope_config(hf: dict, head_dim: int, max_position: int, aliases: dict[str, s
         if name not in params:
             raise ValueError(f"config.json {key}: rope_type {rope_type!r} requires the field {name!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * partial)
+    # Proportional RoPE (Gemma 4) turns only some angle pairs, but pairs them across the whole head.
+    rotary_dim = head_dim if rope_type == "proportional" else int(head_dim * partial)
     if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
         raise ValueError(f"config.json partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "
                          f"{head_dim}-dim head (must be even, 2..{head_dim})")
@@ -78,6 +79,8 @@ def rope_inv_freq(rope: RopeConfig, long: bool = False) -> tuple[torch.Tensor, f
         return _yarn(rope, exponents)
     if rope.rope_type == "longrope":
         return _longrope(rope, exponents, long)
+    if rope.rope_type == "proportional":
+        return _proportional(rope), 1.0
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.params["factor"], 1.0
@@ -85,6 +88,16 @@ def rope_inv_freq(rope: RopeConfig, long: bool = False) -> tuple[torch.Tensor, f
         return _llama3_inv_freq(inv_freq, rope.params, rope.original_max_position), 1.0
     # default, and dynamic NTK: it rescales only past max_position_embeddings, where the engine never goes.
     return inv_freq, 1.0
+
+
+def _proportional(rope: RopeConfig) -> torch.Tensor:
+    """The head's first ``partial_rotary_factor`` of angle pairs turn at the default frequencies (of the whole
+    head size); the others have frequency 0: cos 1, sin 0, so those dims pass through."""
+    dim, params = rope.rotary_dim, rope.params
+    turning = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
+    exponents = torch.arange(0, 2 * turning, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = torch.cat((1.0 / (rope.theta ** exponents), torch.zeros(dim // 2 - turning, device="cpu")))
+    return inv_freq / params.get("factor", 1.0)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict, old_len: int) -> torch.Tensor:
@@ -123,6 +136,15 @@ def _yarn(rope: RopeConfig, exponents: torch.Tensor) -> tuple[torch.Tensor, floa
     pos_freqs = rope.theta ** exponents
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
     return inv_freq, float(attention_factor)
+
+
+def softmax_mscale(rope: RopeConfig) -> float:
+    """DeepSeek's MLA: under a scaled RoPE with ``mscale_all_dim``, the softmax scale of every q·k dim (not only the
+    rotary ones) is multiplied by this twice (transformers' ``yarn_apply_mscale``); 1 otherwise."""
+    mscale_all_dim = rope.params.get("mscale_all_dim")
+    if rope.rope_type == "default" or not mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.params["factor"], mscale_all_dim)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1) -> float:

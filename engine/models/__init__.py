@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.opt import OPTForCausalLM
@@ -40,6 +42,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="alternating local / global layers"),
     ModelFamily("Gemma 3 (text)", {"Gemma3ForCausalLM": Gemma3ForCausalLM},
                 sliding_window="5 local : 1 global (`layer_types`)"),
+    ModelFamily("Gemma 4 (text)", {"Gemma4ForCausalLM": Gemma4ForCausalLM},
+                sliding_window="`layer_types`; KV shared by the last `num_kv_shared_layers`"),
     ModelFamily("Mixtral", {"MixtralForCausalLM": MixtralForCausalLM},
                 sliding_window="`sliding_window`, every layer",
                 moe="softmax, top-k renormalised; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),
@@ -51,6 +55,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="`use_sliding_window` from `max_window_layers` on",
                 moe="softmax, top-k (`norm_topk_prob`), dense `mlp_only_layers`; " + _MOE_TP,
                 unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("gpt-oss", {"GptOssForCausalLM": GptOssForCausalLM},
+                sliding_window="alternating sliding / full layers (`layer_types`), attention sinks",
+                moe="top-k logits softmaxed, biased experts, clamped SwiGLU; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),
     ModelFamily("OPT", {"OPTForCausalLM": OPTForCausalLM}),
 )
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: cls for family in FAMILIES for arch, cls in family.classes.items()}

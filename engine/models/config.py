@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.layer_kv import LayerKV, gemma4_layer_kv, mla_layer_kv, uniform_layer_kv
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Gemma checkpoints written before transformers listed ``layer_types``: every n-th layer is global, the others
-# slide (Gemma 3 may say its n as ``sliding_window_pattern``).
-_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6}
+# Gemma (and gpt-oss) checkpoints written before transformers listed ``layer_types``: every n-th layer is global,
+# the others slide (Gemma 3 may say its n as ``sliding_window_pattern``).
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma4_text": 6, "gpt_oss": 2}
 # Where model families keep their context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -30,6 +32,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     hf: dict  # the raw config.json, for family-specific fields
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: full attention); () = all full
+    layer_kv: tuple[LayerKV, ...] = ()  # each layer's K/V shape and source where they differ; () = all alike
 
     @property
     def sliding_window(self) -> int | None:
@@ -40,6 +43,10 @@ class ModelConfig:
     def kv_window(self) -> int:
         """How far back any layer sees (0: some layer sees the whole context): keys further back can be freed."""
         return 0 if not self.layer_windows or 0 in self.layer_windows else max(self.layer_windows)
+
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        """Each layer's K/V shape and the layer whose blocks it reads (engine/models/layer_kv.py)."""
+        return self.layer_kv or uniform_layer_kv(self.num_layers, self.num_kv_heads, self.head_dim)
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -59,7 +66,15 @@ def read_model_config(path: str) -> ModelConfig:
         num_layers=hf["num_hidden_layers"], num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context,
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
-        eos_token_ids=_eos_ids(path, hf), hf=hf, layer_windows=windows)
+        eos_token_ids=_eos_ids(path, hf), hf=hf, layer_windows=windows,
+        layer_kv=_layer_kv(path, hf, windows))
+
+
+def _layer_kv(path: str, hf: dict, windows: tuple[int, ...]) -> tuple[LayerKV, ...]:
+    """The layers' K/V where they are not all alike: Gemma 4's, and multi-head latent attention's (``kv_lora_rank``)."""
+    if hf.get("model_type") == "gemma4_text":
+        return gemma4_layer_kv(path, hf, windows)
+    return mla_layer_kv(path, hf) if "kv_lora_rank" in hf else ()
 
 
 def _layer_windows(path: str, hf: dict) -> tuple[int, ...]:

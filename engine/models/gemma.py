@@ -45,8 +45,7 @@ class GemmaModel(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        # sqrt(hidden_size) rounded to the model dtype, as transformers scales (55.4256 becomes 55.5 in bf16).
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, device="cpu").to(dtype).item()
+        self.embed_scale = in_dtype(cfg.hidden_size ** 0.5, dtype)
         self.rotaries = nn.ModuleList(rotaries)
         windows = cfg.layer_windows or (0,) * cfg.num_layers
         self.layer_rope = [len(rotaries) - 1 if window else 0 for window in windows]
@@ -69,7 +68,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.final_softcap = cfg.hf.get("final_logit_softcapping") or 0.0
 
     def build_model(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
-        _check_runnable(cfg)
+        check_runnable(cfg)
         ropes = self.rope_configs(cfg.hf, cfg.head_dim, cfg.max_position_embeddings)
         rotaries = [RotaryEmbedding(rope, device, dtype) for rope in ropes]
         return GemmaModel(cfg, rotaries, self.qk_norm, tp, dtype)
@@ -104,10 +103,20 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return [rope_config(kind, head_dim, max_position) for kind in kinds]
 
 
-def _check_runnable(cfg: ModelConfig) -> None:
+def in_dtype(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to the model dtype, as transformers scales embeddings (sqrt(3072) = 55.4256 becomes 55.5
+    in bf16)."""
+    return torch.tensor(value, device="cpu").to(dtype).item()
+
+
+# use_bidirectional_attention values that leave text causal ("vision": Gemma 4's image tokens only).
+_CAUSAL = (None, False, "vision")
+
+
+def check_runnable(cfg: ModelConfig) -> None:
     act = cfg.hf.get("hidden_activation") or cfg.hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"{cfg.path}/config.json: unsupported hidden_activation {act!r} for {cfg.architecture} "
                          "(only gelu_pytorch_tanh)")
-    if cfg.hf.get("use_bidirectional_attention"):
+    if cfg.hf.get("use_bidirectional_attention") not in _CAUSAL:
         raise ValueError(f"{cfg.path}/config.json: use_bidirectional_attention is not supported (causal only)")

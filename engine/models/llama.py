@@ -14,7 +14,7 @@ from cuda_ext import KernelOps
 from engine.layers.activation import ActAndMul, SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeStep, RotaryEmbedding, rope_config
 from engine.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -22,10 +22,12 @@ from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    """``scale`` defaults to head_dim ** -0.5; Gemma passes its own, a logit ``softcap`` and its q/k ``norm``."""
+    """``scale`` defaults to head_dim ** -0.5; Gemma passes its own, a logit ``softcap`` and its q/k ``norm``;
+    gpt-oss ``sinks`` (a logit per head, checkpoint ``self_attn.sinks``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, *,
-                 scale: float | None = None, softcap: float = 0.0, norm: type[nn.Module] = RMSNorm) -> None:
+                 scale: float | None = None, softcap: float = 0.0, norm: type[nn.Module] = RMSNorm,
+                 sinks: bool = False) -> None:
         super().__init__()
         # This rank's heads: its share of the query heads, and of the KV heads (or one replicated KV head).
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
@@ -39,8 +41,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm(cfg.head_dim, eps) if qk_norm else None
         self.k_norm = norm(cfg.head_dim, eps) if qk_norm else None
         window = cfg.layer_windows[layer] if cfg.layer_windows else 0
+        sink_shard = Shard(0, cfg.num_heads, tp.rank * self.num_heads, self.num_heads) if sinks else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim,
-                                   cfg.head_dim ** -0.5 if scale is None else scale, window, softcap)
+                                   cfg.head_dim ** -0.5 if scale is None else scale, window, softcap, sink_shard)
 
     def forward(self, rope: RopeStep, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Heads stay views of the fused projection; rotary runs once over q and k together.
@@ -101,11 +104,11 @@ class LlamaDecoderLayer(nn.Module):
     fused: FusedLayer | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
-                 mlp: Callable[[], nn.Module]) -> None:
+                 mlp: Callable[[], nn.Module], sinks: bool = False) -> None:
         super().__init__()
         eps = cfg.hf["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm, tp)
+        self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm, tp, sinks=sinks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = mlp()
 
@@ -152,14 +155,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """``mlp(layer)``: that layer's MLP."""
+    """``mlp(layer)``: that layer's MLP; ``sinks``: attention sinks in every layer (gpt-oss)."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 tp: TensorParallel, mlp: Callable[[int], nn.Module]) -> None:
+                 tp: TensorParallel, mlp: Callable[[int], nn.Module], sinks: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp, partial(mlp, i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, qk_norm, tp, partial(mlp, i), sinks)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
@@ -178,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     qkv_bias = False
     qk_norm = False
+    attention_sinks = False  # gpt-oss: a sink logit per head in every layer's softmax
     tied_by_default = False  # tie_word_embeddings where config.json omits it
     rope_aliases: dict[str, str] = {}  # legacy rope types the family's configs use for another one
     checkpoint_renames: dict[str, str] = {}  # checkpoint name part -> the engine's, before any other mapping
@@ -196,7 +200,8 @@ class LlamaForCausalLM(nn.Module):
         rope = rope_config(cfg.hf, cfg.head_dim, cfg.max_position_embeddings, self.rope_aliases)
         rotary = RotaryEmbedding(rope, device, dtype)
         qkv_bias = cfg.hf.get("qkv_bias", self.qkv_bias) or cfg.hf.get("attention_bias", False)
-        return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp, lambda layer: self.build_mlp(cfg, layer, tp))
+        return LlamaModel(cfg, rotary, qkv_bias, self.qk_norm, tp, lambda layer: self.build_mlp(cfg, layer, tp),
+                          self.attention_sinks)
 
     def build_mlp(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
         return LlamaMLP(cfg, tp)

@@ -28,10 +28,15 @@ class Routing:
     top_k: int
     renormalize: bool  # the top k weights rescaled to sum to 1
     weights_in_model_dtype: bool  # Qwen rounds them to the model's dtype; Mixtral keeps them fp32
+    top_k_first: bool = False  # gpt-oss: the top k logits picked first, the softmax taken over them alone
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 weights [T, k], expert ids int64 [T, k]) from the router's logits [T, E], in transformers' order."""
-        weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        if self.top_k_first:
+            top, ids = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top.float(), dim=-1)
+        else:
+            weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
@@ -45,23 +50,29 @@ class Router(Linear):
 
     quantizable = False
 
-    def __init__(self, hidden: int, outputs: int) -> None:
-        super().__init__(hidden, outputs, bias=False)
+    def __init__(self, hidden: int, outputs: int, bias: bool = False) -> None:
+        super().__init__(hidden, outputs, bias=bias)
 
 
 class FusedExperts(nn.Module):
     """Every expert's projections stacked, this rank's share of each: w13 [E, 2 * I / tp, H] (its slice of the
     gate rows, then of the up rows), w2 [E, H, I / tp]. Filled from per-expert checkpoint tensors
-    (``...experts.{e}.{part}.weight``: the loader's ``expert_parts``), the layout transformers writes."""
+    (``...experts.{e}.{part}.weight``: the loader's ``expert_parts``), the layout transformers writes. gpt-oss
+    (engine/models/gpt_oss.py) adds biases, w13_bias [E, 2 * I / tp] and w2_bias [E, H], and its clamped SwiGLU
+    (``swiglu``: its alpha and limit; (0, 0): SiLU-and-mul)."""
 
     ops: cuda_ext.KernelOps = cuda_ext.load_ops("torch")  # the loader hands over the compiled ops
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, field: str, tp: TensorParallel) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, field: str, tp: TensorParallel,
+                 bias: bool = False, swiglu: tuple[float, float] = (0.0, 0.0)) -> None:
         super().__init__()
         self.local = tp.shard(intermediate, field)
         self.tp = tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.local), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if bias else None
+        self.swiglu = swiglu
 
     def checkpoint_shard(self, param: str, part: tuple[int, int]) -> Shard:
         """Expert ``part[0]``'s gate (part[1] 0) or up (1) rows of w13, or its columns of w2: this rank's slice."""
@@ -75,7 +86,8 @@ class FusedExperts(nn.Module):
         return Shard(1, self.local * self.tp.size, start, self.local, select=expert)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.ops.fused_moe(x, self.w13, self.w2, ids, weights))
+        return self.tp.all_reduce(self.ops.fused_moe(x, self.w13, self.w2, ids, weights, self.w13_bias, self.w2_bias,
+                                                     *self.swiglu))
 
 
 class SparseMoeBlock(nn.Module):
@@ -110,6 +122,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     experts_keys = ("num_experts", "num_local_experts")
     intermediate_field = "moe_intermediate_size"
     weights_in_model_dtype = True
+    top_k_first = False
 
     def build_mlp(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
         routing = self.routing(cfg)
@@ -123,7 +136,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         num_experts, top_k = cfg.hf.get(key) or 0, cfg.hf["num_experts_per_tok"]
         if num_experts and not 0 < top_k <= num_experts:
             raise ValueError(f"{cfg.path}/config.json: num_experts_per_tok={top_k} must be in [1, {key}={num_experts}]")
-        return Routing(num_experts, top_k, self.renormalize(cfg.hf), self.weights_in_model_dtype)
+        return Routing(num_experts, top_k, renormalize=self.renormalize(cfg.hf),
+                       weights_in_model_dtype=self.weights_in_model_dtype, top_k_first=self.top_k_first)
 
     @staticmethod
     def renormalize(hf: dict) -> bool:

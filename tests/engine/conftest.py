@@ -52,6 +52,15 @@ ARCH_CONFIGS = {
                                                     head_dim=64, intermediate_size=256, sliding_window=20,
                                                     rope_scaling={"rope_type": "linear", "factor": 8.0},
                                                     tie_word_embeddings=False),
+    # Gemma 4: local (window 16) / global layers, the global ones with their own head size (128), KV heads (2) and
+    # proportional RoPE, their values the keys' projection (attention_k_eq_v); per-layer input embeddings; the last
+    # two layers read layers 2 and 3's K/V (num_kv_shared_layers) and have double-wide MLPs.
+    "gemma4": lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=1, head_dim=64, global_head_dim=128,
+        num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=256, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=10.0,
+        tie_word_embeddings=False),
     # YaRN past its original context of 64: the scaling is static, so the engine is exact at every length.
     "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
                                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
@@ -83,6 +92,15 @@ ARCH_CONFIGS = {
                                                      head_dim=64, intermediate_size=256, moe_intermediate_size=64,
                                                      num_experts=8, num_experts_per_tok=4, norm_topk_prob=True,
                                                      mlp_only_layers=[0], tie_word_embeddings=False),
+    # gpt-oss: sliding (window 12) / full layers, attention sinks, biases everywhere, YaRN as its checkpoints
+    # (untruncated, past an original context of 64), 8 experts top-2 through the clamped SwiGLU.
+    "gpt-oss": lambda: transformers.GptOssConfig(**COMMON, num_key_value_heads=1, head_dim=64, intermediate_size=64,
+                                                 num_local_experts=8, num_experts_per_tok=2, sliding_window=12,
+                                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                  "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                  "truncate": False,
+                                                                  "original_max_position_embeddings": 64},
+                                                 tie_word_embeddings=False),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,
@@ -104,6 +122,7 @@ def build_checkpoint(arch: str, folder, shard: bool = False, config: transformer
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     _draw_zero_norms(model)
+    _draw_zero_biases(model)
     # Sharded for one family so multi-file loading is covered.
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="100KB" if shard else "1GB")
     return Checkpoint(str(folder), model)
@@ -111,10 +130,21 @@ def build_checkpoint(arch: str, folder, shard: bool = False, config: transformer
 
 @torch.no_grad()
 def _draw_zero_norms(model: transformers.PreTrainedModel) -> None:
-    """Gemma's norms scale by 1 + weight, initialised to 0: drawn at random instead, so their weights count."""
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight") and not param.any():
-            param.normal_(0.0, 0.5)
+    """Gemma's norms scale by 1 + weight, initialised to 0, Gemma 4's by weight and a per-layer scalar,
+    initialised to 1: drawn at random instead (around that start), so their weights count."""
+    start = 1.0 if model.config.model_type == "gemma4_text" else 0.0
+    for name, param in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(("norm.weight", "layer_scalar")) and not (param - start).any():
+            param.normal_(start, 0.5)
+
+
+@torch.no_grad()
+def _draw_zero_biases(model: transformers.PreTrainedModel) -> None:
+    """gpt-oss's biases (projections, experts) start at zero: drawn at random, so they count."""
+    if model.config.model_type == "gpt_oss":
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and not param.any():
+                param.normal_(0.0, 0.5)
 
 
 @pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))

@@ -9,9 +9,10 @@ import torch
 import transformers
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as HFGemma4RMSNorm
 
 from engine.distributed.parallel_state import TensorParallel
-from engine.layers.norm import GemmaRMSNorm
+from engine.layers.norm import Gemma4RMSNorm, GemmaRMSNorm
 from engine.layers.rotary import rope_inv_freq
 from engine.models.config import read_model_config
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -23,13 +24,21 @@ SMALL = dict(vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_valu
              intermediate_size=256, max_position_embeddings=256, sliding_window=16)
 
 
+# transformers' norm and the engine's: Gemma 2/3's 1 + weight, Gemma 4's weight, Gemma 4's value norm (no weight).
+NORMS = {"gemma2": lambda: (Gemma2RMSNorm(96, eps=1e-6), GemmaRMSNorm(96, eps=1e-6)),
+         "gemma4": lambda: (HFGemma4RMSNorm(96, eps=1e-6), Gemma4RMSNorm(96, eps=1e-6)),
+         "gemma4-value": lambda: (HFGemma4RMSNorm(96, eps=1e-6, with_scale=False),
+                                  Gemma4RMSNorm(96, eps=1e-6, scaled=False))}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_rounds_as_transformers(dtype):
-    hf = Gemma2RMSNorm(96, eps=1e-6)
-    ours = GemmaRMSNorm(96, eps=1e-6)
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_norm_rounds_as_transformers(norm, dtype):
+    hf, ours = NORMS[norm]()
     with torch.no_grad():
-        hf.weight.normal_(0.0, 0.5)
-        ours.weight.copy_(hf.weight)
+        for param in hf.parameters():
+            param.normal_(0.0, 0.5)
+        ours.load_state_dict(hf.state_dict())
     hf, ours = hf.to(dtype), ours.to(dtype)
     x = (torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     assert torch.equal(ours(x), hf(x))

@@ -49,7 +49,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
 @pytest.mark.parametrize("backend", backends())
 def test_greedy_agrees_with_hf(smooth_checkpoint, smooth_reference, kv_dtype, backend):
     llm = make_llm(smooth_checkpoint.path, backend, kv_cache_dtype=kv_dtype, **SCENARIOS["plain"])
-    assert llm.engine.runner.kv_cache.dtype == KVCacheDtype.resolve(kv_dtype, torch.float32).dtype
+    assert llm.engine.runner.pools[0][0].dtype == KVCacheDtype.resolve(kv_dtype, torch.float32).dtype
     assert agreement(generate(llm, mixed_prompts()), smooth_reference) >= MIN_AGREEMENT[kv_dtype]
 
 
@@ -75,7 +75,7 @@ def count_scale_copies(llm: LLM) -> list[int]:
     copy_blocks = runner.ops.copy_blocks
 
     def counting(pool: torch.Tensor, mapping: torch.Tensor) -> None:
-        if pool is runner.kv_scales:
+        if pool is runner.pools[1][0]:  # the codes' (device, CPU) pools first, then the scales'
             moved.append(len(mapping))
         copy_blocks(pool, mapping)
 
@@ -112,7 +112,7 @@ def test_same_memory_holds_more_tokens(smooth_checkpoint, model_dtype, kv_dtype,
     assert quantized.scheduler.num_device_blocks / plain.scheduler.num_device_blocks >= ratio
     # 2 layers x K and V x 1 KV head x (64 one-byte codes + a bf16 scale)
     assert quantized.kv_bytes_per_token == 2 * 2 * (64 + 2)
-    pool_bytes = sum(t.numel() * t.element_size() for t in (runner.kv_cache, runner.kv_scales))
+    pool_bytes = sum(t.numel() * t.element_size() for t, _ in runner.pools)
     assert pool_bytes == quantized.kv_bytes_per_token * 16 * quantized.scheduler.num_device_blocks <= 4 << 20
 
 

@@ -182,7 +182,7 @@ def test_draft_model_kv_comes_out_of_the_same_budget(llama_checkpoint, tmp_path)
     assert num_blocks == budget // ((target_bytes + draft_bytes) * 16) < plain.config.scheduler.num_device_blocks
     proposer = engine.speculator.proposer
     assert proposer.kv.num_blocks == proposer.config.scheduler.num_device_blocks == num_blocks
-    pools = [engine.runner.kv_cache, proposer.runner.kv_cache]
+    pools = [pool for runner in (engine.runner, proposer.runner) for pool, _ in runner.pools]
     assert sum(t.numel() * t.element_size() for t in pools) <= budget
 
 

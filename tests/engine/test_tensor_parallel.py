@@ -22,6 +22,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard
 from engine.layers.vocab_parallel import ParallelLMHead
 from engine.model_runner import Batch, StepPlan
+from engine.models.config import read_model_config
 from engine.models.moe import FusedExperts
 from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, VOCAB, build_checkpoint, hf_greedy, mixed_prompts, _ext_available
 
@@ -41,7 +42,8 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 
 
 # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
-TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "mixtral", "qwen2-moe", "qwen3-moe"]
+TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "gemma4", "mixtral", "qwen2-moe", "qwen3-moe",
+            "gpt-oss"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -84,15 +86,16 @@ def test_model_is_sharded(model):
     attn = runner.model.attention_layers()[0]
     assert attn.num_heads == hf.num_attention_heads // 2
     # Fewer KV heads than ranks (llama, qwen2): each rank keeps one, replicated; the pool holds only its heads.
-    assert attn.num_kv_heads == max(1, getattr(hf, "num_key_value_heads", hf.num_attention_heads) // 2)
-    assert runner.kv_cache.shape[3] == attn.num_kv_heads
+    # Layer 0's KV heads, as config.json gives them (Gemma 4's global layers have their own).
+    assert attn.num_kv_heads == max(1, read_model_config(checkpoint.path).kv_layers()[0].num_kv_heads // 2)
+    assert runner.pools[0][0].shape[3] == attn.num_kv_heads
     assert runner.model.lm_head.weight.shape[0] == -(-hf.vocab_size // 2)  # padded to a multiple of the ranks
     experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
     for e in experts:  # every expert on every rank, half of each one's intermediate size
         intermediate = getattr(hf, "moe_intermediate_size", hf.intermediate_size)
         assert e.w13.shape == (e.w2.shape[0], intermediate, hf.hidden_size)
         assert e.w2.shape[1:] == (hf.hidden_size, intermediate // 2)
-    assert bool(experts) == ("Moe" in hf.architectures[0] or "Mixtral" in hf.architectures[0])
+    assert bool(experts) == any(kind in hf.architectures[0] for kind in ("Moe", "Mixtral", "GptOss"))
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

@@ -77,3 +77,49 @@ def test_rejects_bad_expert_ids(ext_ops):
         ext_ops.fused_moe(hidden, w13, w2, ids, weights)
     with pytest.raises(RuntimeError, match="w2 must be"):
         ext_ops.fused_moe(hidden, w13, w2[:, :, :-1], ids.clamp(max=3), weights)
+
+
+def with_biases(inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[torch.Tensor, ...]:
+    """moe_inputs plus random expert biases, w13's and w2's, in the weights' dtype and device."""
+    hidden, w13, w2, ids, weights = inputs
+    gen = torch.Generator().manual_seed(seed)
+    biases = (torch.randn(w.shape[:2], generator=gen).to(w) for w in (w13, w2))
+    return (hidden * 4, w13, w2, ids, weights, *biases)  # * 4: past the clamp's limit often
+
+
+def dense_swiglu_moe(hidden, w13, w2, ids, weights, b13, b2, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts, every one on every token in fp32, as transformers writes them."""
+    gate_up = torch.einsum("th,eih->eti", hidden.float(), w13.float()) + b13.float()[:, None]
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    outs = torch.einsum("eti,ehi->eth", act, w2.float()) + b2.float()[:, None]
+    share = torch.zeros(hidden.shape[0], w13.shape[0], device=hidden.device).scatter_(1, ids, weights.float())
+    return torch.einsum("te,eth->th", share, outs)
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(1, 8, 2), (37, 8, 4), (64, 16, 4)])
+def test_reference_biases_and_clamped_swiglu(tokens, experts, k):
+    inputs = with_biases(moe_inputs(tokens, experts, k, seed=tokens, dtype=torch.float32, device="cpu"), tokens)
+    got = reference.fused_moe(*inputs, swiglu_alpha=1.702, swiglu_limit=2.0)
+    assert relative_error(got, dense_swiglu_moe(*inputs, 1.702, 2.0)) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha, limit", [(0.0, 0.0), (1.702, 2.0)], ids=["silu", "clamped-swiglu"])
+def test_biases_and_activation_match_reference(ext_ops, device, dtype, alpha, limit):
+    inputs = with_biases(moe_inputs(64, 8, 4, seed=7, dtype=dtype, device=device, idle=(3,)), 7)
+    with torch.inference_mode():
+        got = ext_ops.fused_moe(*inputs, swiglu_alpha=alpha, swiglu_limit=limit)
+    want = reference.fused_moe(*inputs, swiglu_alpha=alpha, swiglu_limit=limit)
+    assert relative_error(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
+
+
+def test_rejects_bad_biases(ext_ops):
+    hidden, w13, w2, ids, weights, b13, b2 = with_biases(moe_inputs(3, 4, 2, seed=0, dtype=torch.float32,
+                                                                    device="cpu"), 0)
+    with pytest.raises(RuntimeError, match="w13_bias must be \\[4, 80\\]"):
+        ext_ops.fused_moe(hidden, w13, w2, ids, weights, b13[:, :-1], b2)
+    with pytest.raises(RuntimeError, match="w2_bias must be Float on cpu"):
+        ext_ops.fused_moe(hidden, w13, w2, ids, weights, b13, b2.double())

@@ -5,6 +5,7 @@ import time
 
 from engine.core.kv_snapshot import USED, KVSnapshot, PoolSnapshot, SnapshotRequest
 from engine.outputs import CompletionOutput, RequestOutput, ResumeState
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from tests.service.conftest import engine_stats
@@ -17,7 +18,8 @@ FAIL_ON_STEP = 15  # ... and with this one, the next step fails the request (as 
 class FakeEngine:
     """The LLMEngine API in miniature: each step emits one token per request
     (66, 67, ...); a resumed request continues the count
-    after its delivered tokens (``resumed`` records each ResumeState)."""
+    after its delivered tokens (``resumed`` records each ResumeState). An embedding request (PoolingParams) ends
+    at its next step with its prompt's first ids as its vector."""
 
     max_model_len = 2048
 
@@ -27,6 +29,7 @@ class FakeEngine:
         self.num_snapshots = 0
         self.faults = faults  # the BOOM_* / FAIL_ON_STEP prompts fail (off: every prompt is served)
         self.requests: dict[str, list] = {}
+        self.pooled: dict[str, list[float]] = {}  # embedding requests: their vectors, given at the next step
         self.added: list[str] = []
         self.resumed: dict[str, ResumeState] = {}
         self.failing: set[str] = set()
@@ -34,14 +37,17 @@ class FakeEngine:
         self._boom = False
         self.priorities: dict[str, int] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     resume: ResumeState | None = None, priority: int = 0) -> None:
         self.priorities[request_id] = priority
         if self.faults and prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")
         self._boom |= self.faults and prompt_token_ids[0] == BOOM_ON_STEP
-        self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
+        if isinstance(params, PoolingParams):
+            self.pooled[request_id] = [float(t) for t in prompt_token_ids[:4]]
+        else:
+            self.requests[request_id] = [params.max_tokens, len(resume.output_token_ids[0]) if resume else 0]
         if self.faults and prompt_token_ids[0] == FAIL_ON_STEP:
             self.failing.add(request_id)
         if resume is not None:
@@ -51,6 +57,7 @@ class FakeEngine:
     def abort_request(self, request_ids) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.requests.pop(request_id, None)
+            self.pooled.pop(request_id, None)
 
     def step(self) -> list:
         time.sleep(self.step_s)
@@ -61,6 +68,9 @@ class FakeEngine:
         for request_id in self.failing:
             self.requests.pop(request_id, None)
         self.failing.clear()
+        outputs += [RequestOutput(rid, [], [CompletionOutput(0, [], finish_reason="stop")], finished=True,
+                                  embedding=vector) for rid, vector in self.pooled.items()]
+        self.pooled.clear()
         for request_id, state in list(self.requests.items()):
             state[1] += 1
             done = state[1] == state[0]
@@ -72,7 +82,7 @@ class FakeEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.pooled)
 
     def has_capacity(self) -> bool:
         return self.capacity

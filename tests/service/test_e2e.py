@@ -179,10 +179,10 @@ def test_models_retrieve_a_default_model_and_unknown_routes(stack: LocalStack) -
     assert missing.value.body["code"] == "model_not_found"
     status, completion = asyncio.run(post(f"{stack.url}/v1/completions", {"prompt": "abc", "max_tokens": 2}))
     assert status == 200 and completion["model"] == MODEL_NAME and completion["usage"]["completion_tokens"] == 2
-    status, body = get_json(f"{stack.url}/v1/embeddings")
+    status, body = get_json(f"{stack.url}/v1/rerank")
     assert status == 404 and body["error"]["code"] == "not_found"
     message = body["error"]["message"]
-    assert "GET /v1/embeddings" in message and "POST /v1/chat/completions" in message and "GET /v1/models" in message
+    assert "GET /v1/rerank" in message and "POST /v1/embeddings" in message and "GET /v1/models" in message
 
 
 def test_requests_across_two_gateways_and_two_workers(stack: LocalStack) -> None:

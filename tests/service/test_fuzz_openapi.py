@@ -103,7 +103,7 @@ def test_generation_routes_never_5xx_long_run(case, base_url: str) -> None:
 # from the published schemas narrowed by what the server tells apart from them (the context length at
 # /v1/models bounds max_tokens, max_completion_tokens and min_tokens; the tokenizer's vocabulary, token
 # ids), so that most fall within those; the published schemas judge them.
-POST_PATHS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+POST_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
 CONFIG = GatewayConfig()
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 from dataclasses import fields
 
 import msgpack
+import numpy as np
 import pytest
 
+from engine.outputs import CompletionOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from service.messages import (CONTROL_INDEX, SCHEMA_VERSION, ChoiceDelta, EventKind, GatewayBeat, Heartbeat, Progress,
                               ReplyBatch, ReplyEvent, RequestMsg, SchemaError, StreamRecord, decode, decode_batch, encode,
-                              encode_batch, params_to_wire)
+                              encode_batch, output_row, pack_batch, params_to_wire, pooling_to_wire)
 from service.transcript import Transcript
 from tests.service.conftest import engine_stats
 
@@ -73,15 +76,29 @@ def test_a_reply_batch_round_trips_as_arrays() -> None:
     assert back.events[0][1].index == CONTROL_INDEX
 
 
-@pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], False, 0, None, 500, None]],  # unknown kind
-                                    [["r1", 0, ["output"], [], False, 0, None, 500, None]],  # a kind not a string
-                                    [["r1", 0, "output", [], False, 0, None, 500]],  # a field missing
-                                    [["r1", 0, "output", [[0, [1]]], False, 0, None, 500, None]],  # a choice short
+_TAIL = [False, 0, None, 500, None, None]  # finished, num_cached_tokens, error, status, prompt_logprobs, embedding
+
+
+@pytest.mark.parametrize("events", [[["r1", 0, "outputz", [], *_TAIL]],  # unknown kind
+                                    [["r1", 0, ["output"], [], *_TAIL]],  # a kind not a string
+                                    [["r1", 0, "output", [], *_TAIL[:-1]]],  # a field missing
+                                    [["r1", 0, "output", [[0, [1]]], *_TAIL]],  # a choice short
                                     "not a list"])
 def test_malformed_batches_are_schema_errors(events: object) -> None:
     payload = msgpack.packb({"v": SCHEMA_VERSION, "engine_id": "e", "incarnation": "i", "events": events})
     with pytest.raises(SchemaError):
         decode_batch(payload)
+
+
+def test_an_embedding_request_and_its_vector_travel() -> None:
+    """PoolingParams as a map beside empty sampling params; the vector as float32 little-endian bytes (msgpack bin),
+    on the final event only."""
+    msg = RequestMsg("r", [1, 2], {}, "gw", 1.0, "m", pooling=pooling_to_wire(PoolingParams(dimensions=8)))
+    assert PoolingParams(**decode(RequestMsg, encode(msg)).pooling) == PoolingParams(dimensions=8)
+    final = output_row("r", 0, [CompletionOutput(0, [], finish_reason="stop")], True, 0, embedding=[0.5, -0.25])
+    (_, event), = decode_batch(pack_batch("e", "i", [final])).events
+    assert event.embedding == np.asarray([0.5, -0.25], "<f4").tobytes() and event.finished
+    assert decode_batch(pack_batch("e", "i", [output_row("r", 0, [], False, 0)])).events[0][1].embedding is None
 
 
 def test_progress_stream_record_and_gateway_beat_round_trip() -> None:

@@ -68,6 +68,7 @@ struct Problem {
   const c10::BFloat16* k_scale = nullptr;  // a quantized cache's [num_blocks, Hkv, block_size] scales
   const c10::BFloat16* v_scale = nullptr;
   int64_t ks_stride_b = 0, vs_stride_b = 0;
+  const float* sinks = nullptr;  // [num_heads] logits joining each row's softmax denominator (gpt-oss); null = none
 };
 
 template <typename C>
@@ -312,13 +313,19 @@ void accumulate_values(const PagedKV<T, C, D>& kv, int64_t b0, int64_t b1, int64
   }
 }
 
+// acc's factor for the output row: 1 / its softmax denominator relative to the running max m, the keys' sum l plus
+// the sink's share (gpt-oss: the sink logit joins the denominator only; -inf: none, exactly 1 / l). A sink far above
+// m overflows to inf: a zero row, as the exact softmax rounds it. A row that saw no key writes zeros.
+inline float output_scale(float m, float l, float sink) { return l > 0.f ? 1.f / (l + std::exp(sink - m)) : 0.f; }
+
 template <typename T, typename C, int64_t D>
 void store_rows(const Problem<T, C>& p, const WorkItem& w, int64_t q_start, const Scratch& sc) {
+  constexpr float kNoSink = -std::numeric_limits<float>::infinity();
   for (int64_t i = w.i0; i < w.i1; ++i)
     for (int64_t g = 0; g < p.group; ++g) {
-      const int64_t r = (i - w.i0) * p.group + g;
-      T* dst = p.out + (q_start + i) * p.out_stride_t + (w.kv_head * p.group + g) * p.out_stride_h;
-      const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
+      const int64_t r = (i - w.i0) * p.group + g, head = w.kv_head * p.group + g;
+      T* dst = p.out + (q_start + i) * p.out_stride_t + head * p.out_stride_h;
+      const float inv = output_scale(sc.m[r], sc.l[r], p.sinks ? p.sinks[head] : kNoSink);
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sc.acc[r * D + d] * inv);
     }
 }
@@ -402,7 +409,7 @@ template <typename T, typename C>
 void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
             double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& key_scale,
-            const c10::optional<at::Tensor>& value_scale) {
+            const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks) {
   Problem<T, C> p{query.data_ptr<T>(), out.data_ptr<T>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
                      query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
                      value_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
@@ -413,6 +420,7 @@ void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     p.k_scale = key_scale->data_ptr<c10::BFloat16>(), p.v_scale = value_scale->data_ptr<c10::BFloat16>();
     p.ks_stride_b = key_scale->stride(0), p.vs_stride_b = value_scale->stride(0);
   }
+  if (sinks) p.sinks = sinks->data_ptr<float>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[block_tables.size(0)] <= query.size(0),
               "query_start_loc must stay within the query's ", query.size(0), " rows");
@@ -435,18 +443,21 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
                          double scale, int64_t sliding_window, double softcap,
-                         const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale) {
+                         const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
+                         const c10::optional<at::Tensor>& sinks) {
   check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, key_scale,
-                        value_scale);
+                        value_scale, sinks);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   switch (query.scalar_type()) {
     case at::kFloat:
       return launch_for_cache<float>(key_cache, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, sliding_window, softcap, key_scale, value_scale);
+                                     query_start_loc, scale, sliding_window, softcap, key_scale, value_scale,
+                                     sinks);
     case at::kBFloat16:
       return launch_for_cache<c10::BFloat16>(key_cache, out, query, key_cache, value_cache, block_tables, seq_lens,
-                                             query_start_loc, scale, sliding_window, softcap, key_scale, value_scale);
+                                             query_start_loc, scale, sliding_window, softcap, key_scale, value_scale,
+                                             sinks);
     default: TORCH_CHECK(false, "CPU paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
 }

@@ -65,7 +65,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                         value_cache, slot_mapping, key_scale, value_scale);
   at::Tensor attn = at::empty({tokens, heads, d}, residual.options());
   paged_attention_cpu(attn, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len, scale, sliding_window, /*softcap=*/0.0, key_scale, value_scale);
+                      max_seq_len, scale, sliding_window, /*softcap=*/0.0, key_scale, value_scale,
+                      /*sinks=*/c10::nullopt);
   const at::Tensor o = linear(attn.view({tokens, heads * d}), 1, weights, optional, sizes[4]);
   const at::Tensor h = fused_add_rms_norm_cpu(residual, o, weights[3], eps);
   const at::Tensor gate_up = linear(h, 2, weights, optional, sizes[5]);

@@ -1,7 +1,8 @@
 // fused_moe: a sparse MoE block's experts as grouped GEMMs. The tokens x top-k (token, expert) pairs are sorted
 // by expert, so each expert's tokens form one contiguous group: the rows are gathered once, each group goes
-// through its expert's gate|up projection as one GEMM, one SiLU-and-mul runs over all groups, then one GEMM per
-// group through its down projection; each token's k outputs are summed, weighted, in fp32 and rounded once.
+// through its expert's gate|up projection as one GEMM, one SiLU-and-mul (or gpt-oss's clamped SwiGLU) runs over
+// all groups, then one GEMM per group through its down projection (each GEMM with the expert's bias, where given);
+// each token's k outputs are summed, weighted, in fp32 and rounded once.
 //
 // ATen ops only, so the one function serves CPU and CUDA tensors. On the CPU the pairs are counting-sorted here
 // and the groups' GEMMs spread over torch's threads (grouped_mm); on CUDA they are sorted on the device and the group sizes read back to
@@ -42,6 +43,15 @@ void check_fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::
                 t->device());
 }
 
+// Each expert's bias row: [experts, outputs] beside its weights, in their dtype and on their device.
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& weights, const char* name) {
+  if (!bias) return;
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == weights.size(0) && bias->size(1) == weights.size(1),
+              "fused_moe: ", name, " must be [", weights.size(0), ", ", weights.size(1), "], got ", bias->sizes());
+  TORCH_CHECK(bias->scalar_type() == weights.scalar_type() && bias->device() == weights.device(), "fused_moe: ",
+              name, " must be ", weights.scalar_type(), " on ", weights.device());
+}
+
 // The pairs (row t * k + j of topk_ids) in expert order, as a tensor on ids' device, and where each expert's
 // group starts (experts + 1 offsets, on the host). Stable: a group keeps its tokens in order.
 std::pair<at::Tensor, std::vector<int64_t>> group_by_expert(const at::Tensor& topk_ids, int64_t experts) {
@@ -69,12 +79,13 @@ std::pair<at::Tensor, std::vector<int64_t>> group_by_expert(const at::Tensor& to
   return {order, std::move(offsets)};
 }
 
-// out's rows of each group = x's rows of the group @ weights[e].T: one GEMM per expert that has tokens. On the
-// CPU the groups run side by side, one GEMM per thread in a single OpenMP region (the BLAS runs single-threaded
-// inside it): a multi-threaded GEMM per group would be a region per group, each one waiting at its barrier
-// for the slowest thread, which on a loaded machine (measured: 2 threads on 2 busy cores) costs more than the
-// GEMMs.
-at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const std::vector<int64_t>& offsets) {
+// out's rows of each group = x's rows of the group @ weights[e].T (+ bias[e]): one GEMM per expert that has
+// tokens. On the CPU the groups run side by side, one GEMM per thread in a single OpenMP region (the BLAS runs
+// single-threaded inside it): a multi-threaded GEMM per group would be a region per group, each one waiting at
+// its barrier for the slowest thread, which on a loaded machine (measured: 2 threads on 2 busy cores) costs more
+// than the GEMMs.
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const c10::optional<at::Tensor>& bias,
+                      const std::vector<int64_t>& offsets) {
   at::Tensor out = at::empty({x.size(0), weights.size(1)}, x.options());
   std::vector<int64_t> hit;
   for (size_t e = 0; e + 1 < offsets.size(); ++e)
@@ -86,6 +97,7 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const std:
       const int64_t e = hit[i], rows = offsets[e + 1] - offsets[e];
       at::Tensor group = out.narrow(0, offsets[e], rows);
       at::mm_out(group, x.narrow(0, offsets[e], rows), weights[e].t());
+      if (bias) group.add_((*bias)[e]);
     }
   };
   if (x.is_cuda())
@@ -103,16 +115,30 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return op.call(x);
 }
 
+// gpt-oss's expert activation on x = [gate | up]: g = min(gate, limit), u = clamp(up, -limit, limit),
+// (u + 1) * g * sigmoid(g * alpha), in transformers' order.
+at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
+  const auto halves = x.chunk(2, -1);
+  const at::Tensor gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);
+  return at::mul(at::add(up, 1), at::mul(gate, at::sigmoid(at::mul(gate, alpha))));
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_ids, const at::Tensor& topk_weights) {
+                     const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
+                     double swiglu_alpha, double swiglu_limit) {
   check_fused_moe(hidden, w13, w2, topk_ids, topk_weights);
+  check_bias(w13_bias, w13, "w13_bias");
+  check_bias(w2_bias, w2, "w2_bias");
   const int64_t tokens = hidden.size(0), k = topk_ids.size(1);
   if (tokens == 0 || k == 0) return at::zeros_like(hidden);
   const auto [order, offsets] = group_by_expert(topk_ids, w13.size(0));
   const at::Tensor x = hidden.index_select(0, at::floor_divide(order, k));  // pair p's token is p / k
-  const at::Tensor down = grouped_mm(silu_and_mul(grouped_mm(x, w13, offsets)), w2, offsets);
+  const at::Tensor gate_up = grouped_mm(x, w13, w13_bias, offsets);
+  const at::Tensor act = swiglu_alpha > 0 ? clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit) : silu_and_mul(gate_up);
+  const at::Tensor down = grouped_mm(act, w2, w2_bias, offsets);
   // Back in pair order ([tokens, k, hidden]), then each token's k outputs summed under their weights.
   const at::Tensor pairs = at::empty_like(down).index_copy_(0, order, down).view({tokens, k, hidden.size(1)});
   const at::Tensor weighted = at::mul(pairs.to(at::kFloat), topk_weights.to(at::kFloat).unsqueeze(-1));

@@ -30,9 +30,10 @@ __device__ int sequence_of(const AttentionArgs& a, int t) {
   return lo;
 }
 
-// Merges the warps' (max, sum, acc) partial softmaxes and writes the output row.
+// Merges the warps' (max, sum, acc) partial softmaxes and writes the output row; the head's sink logit (-inf: none)
+// joins the max and the denominator.
 template <typename T, int D>
-__device__ void merge_warps(float m, float l, const float* acc, T* out) {
+__device__ void merge_warps(float m, float l, const float* acc, float sink, T* out) {
   constexpr int kPer = (D + 31) / 32;
   __shared__ float sm_m[kWarps], sm_l[kWarps], sm_acc[kWarps][D];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -40,9 +41,9 @@ __device__ void merge_warps(float m, float l, const float* acc, T* out) {
   for (int i = 0; i < kPer; ++i)
     if (lane + 32 * i < D) sm_acc[warp][lane + 32 * i] = acc[i];
   __syncthreads();
-  float top = -FLT_MAX;
+  float top = fmaxf(-FLT_MAX, sink);
   for (int w = 0; w < kWarps; ++w) top = fmaxf(top, sm_m[w]);
-  float total = 0.f;
+  float total = expf(sink - top);
   for (int w = 0; w < kWarps; ++w) total += sm_l[w] * expf(sm_m[w] - top);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(AttentionA
     m = m_new;
   }
   T* out = static_cast<T*>(a.out) + t * a.out_stride_t + h * a.out_stride_h;
-  merge_warps<T, D>(m, l, acc, out);
+  merge_warps<T, D>(m, l, acc, sink_of(a, h), out);
 }
 
 template <typename T, typename C>

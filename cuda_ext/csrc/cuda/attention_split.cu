@@ -205,7 +205,9 @@ __global__ void __launch_bounds__(kThreads) split_decode_kernel(SplitAttentionAr
 
   for (int i = threadIdx.x; i < heads * D; i += kThreads) {
     const int h = i / D, d = i % D;
-    const float o = s_out[h][d] / s_sum[h];
+    // A lone partition is the whole row, its sink joins here; several merge with it in split_merge_kernel.
+    const float l = parts.count == 1 ? denominator(s_max[h], s_sum[h], sink_of(a, h0 + h)) : s_sum[h];
+    const float o = s_out[h][d] / l;
     if (parts.count == 1) {
       static_cast<T*>(a.out)[q_row * a.out_stride_t + (h0 + h) * a.out_stride_h + d] = from_float<T>(o);
       continue;
@@ -225,10 +227,11 @@ __global__ void __launch_bounds__(kThreads) split_merge_kernel(SplitAttentionArg
   const int count = partitions_of(a, a.seq_lens[b]).count;
   if (count == 1) return;  // written by the decode kernel
   const int64_t slot = (static_cast<int64_t>(b) * a.num_heads + h) * s.max_partitions;
-  float top = -FLT_MAX;
+  const float sink = sink_of(a, h);
+  float top = fmaxf(-FLT_MAX, sink);
   for (int p = 0; p < count; ++p) top = fmaxf(top, s.maxes[slot + p]);
   for (int d = threadIdx.x; d < D; d += kThreads) {
-    float o = 0.f, total = 0.f;
+    float o = 0.f, total = expf(sink - top);
     for (int p = 0; p < count; ++p) {
       const float w = s.sums[slot + p] * expf(s.maxes[slot + p] - top);
       o += w * s.partials[(slot + p) * D + d];
@@ -397,9 +400,9 @@ __global__ void __launch_bounds__(kThreads) split_prefill_kernel(AttentionArgs a
   }
   T* out = static_cast<T*>(a.out);
   for (int i = threadIdx.x; i < rows * D; i += kThreads) {
-    const int r = i / D, d = i % D, row = row0 + r;
-    const int64_t at = (q_start + row / group) * a.out_stride_t + (kv_head * group + row % group) * a.out_stride_h + d;
-    out[at] = from_float<T>(o_tile[r * Dp + d] / row_sum[r]);
+    const int r = i / D, d = i % D, row = row0 + r, head = kv_head * group + row % group;
+    const int64_t at = (q_start + row / group) * a.out_stride_t + head * a.out_stride_h + d;
+    out[at] = from_float<T>(o_tile[r * Dp + d] / denominator(row_max[r], row_sum[r], sink_of(a, head)));
   }
 }
 

@@ -66,9 +66,10 @@ cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, con
                                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                                    int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& key_scale,
-                                   const c10::optional<at::Tensor>& value_scale) {
+                                   const c10::optional<at::Tensor>& value_scale,
+                                   const c10::optional<at::Tensor>& sinks) {
   const bool quantized = check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                               query_start_loc, key_scale, value_scale);
+                                               query_start_loc, key_scale, value_scale, sinks);
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   return {out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -79,16 +80,18 @@ cuda::AttentionArgs attention_args(at::Tensor& out, const at::Tensor& query, con
           static_cast<int>(key_cache.size(2)), static_cast<float>(scale), static_cast<int>(sliding_window),
           static_cast<float>(softcap),
           quantized ? key_scale->data_ptr() : nullptr, quantized ? value_scale->data_ptr() : nullptr,
-          quantized ? key_scale->stride(0) : 0, quantized ? value_scale->stride(0) : 0};
+          quantized ? key_scale->stride(0) : 0, quantized ? value_scale->stride(0) : 0,
+          sinks ? sinks->data_ptr<float>() : nullptr};
 }
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, int64_t /*max_query_len*/, int64_t /*max_seq_len*/,
                           double scale, int64_t sliding_window, double softcap,
-                          const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale) {
+                          const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
+                          const c10::optional<at::Tensor>& sinks) {
   const auto args = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, softcap, key_scale, value_scale);
+                                   scale, sliding_window, softcap, key_scale, value_scale, sinks);
   const c10::DeviceGuard guard(query.device());
   check_cuda(cuda::paged_attention(args, dtype_of(query), codes_of(key_cache), current_stream(query.device())),
              "paged_attention");
@@ -106,12 +109,13 @@ void paged_attention_split_cuda(at::Tensor& out, const at::Tensor& query, const 
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_len,
                                 int64_t max_seq_len, double scale, int64_t sliding_window, double softcap,
                                 const c10::optional<at::Tensor>& key_scale,
-                                const c10::optional<at::Tensor>& value_scale) {
+                                const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& sinks) {
   if (key_scale)  // the split kernels stage 16-bit / fp32 K/V rows: a quantized cache runs the simple kernel
     return paged_attention_cuda(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                max_query_len, max_seq_len, scale, sliding_window, softcap, key_scale, value_scale);
+                                max_query_len, max_seq_len, scale, sliding_window, softcap, key_scale, value_scale,
+                                sinks);
   const auto attn = attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, softcap, key_scale, value_scale);
+                                   scale, sliding_window, softcap, key_scale, value_scale, sinks);
   check_16_byte_rows(key_cache, "key_cache");
   check_16_byte_rows(value_cache, "value_cache");
   TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, "paged_attention_split: max_query_len and max_seq_len must be "

@@ -31,6 +31,14 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 // An attention score after logit soft-capping (0: off), the eager formula's order: cap * tanh(s / cap).
 __device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
 
+// Head h's sink logit (gpt-oss), -inf when the call has none.
+__device__ __forceinline__ float sink_of(const AttentionArgs& a, int h) { return a.sinks ? a.sinks[h] : -INFINITY; }
+
+// A row's softmax denominator relative to its running max m: the keys' sum l plus the sink's share (the sink logit
+// joins the denominator only; -inf: none, exactly l). A sink far above m overflows to inf: a zero row, as the exact
+// softmax rounds it.
+__device__ __forceinline__ float denominator(float m, float l, float sink) { return l + expf(sink - m); }
+
 // Calls fn(T{}) with the storage type of dtype.
 template <typename Fn>
 cudaError_t with_dtype(Dtype dtype, Fn&& fn) {

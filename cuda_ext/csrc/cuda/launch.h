@@ -43,6 +43,7 @@ struct AttentionArgs {
   const void* key_scale = nullptr;  // quantized: bf16 [num_blocks, num_kv_heads, block_size] views
   const void* value_scale = nullptr;
   int64_t ks_stride_b = 0, vs_stride_b = 0;
+  const float* sinks = nullptr;  // [num_heads] logits joining each row's softmax denominator (gpt-oss); null = none
 };
 
 // The split kernels (attention_split.cu): decode rows in context partitions of kSplitPartition tokens, each CTA

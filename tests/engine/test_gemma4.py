@@ -1,0 +1,99 @@
+"""Gemma 4 beyond the shared equivalence scenarios (tests/engine/test_hf_equivalence.py runs ARCH_CONFIGS["gemma4"]
+in every one): forks and beams against transformers, the pool's room for shared layers, its RoPE against
+transformers', and the configs refused at load (its norms: tests/engine/test_gemma.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+from engine import SamplingParams
+from engine.distributed.parallel_state import TensorParallel
+from engine.layers.rotary import rope_config, rope_inv_freq
+from engine.models.config import read_model_config
+from engine.models.gemma4 import Gemma4ForCausalLM
+from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, build_checkpoint, hf_greedy, mixed_prompts
+from .test_beam_search import check_against_hf, make_llm as beam_llm
+from .test_gemma import write_config
+from .test_hf_equivalence import SCENARIOS, make_llm
+
+ARCH = "Gemma4ForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    return build_checkpoint("gemma4", tmp_path_factory.mktemp("gemma4"))
+
+
+@pytest.mark.parametrize("scenario", ["plain", "swap"])
+def test_greedy_forks_match_transformers(gemma4, scenario):
+    """n = 3 greedy choices share the prompt's blocks (the shared layers reading them too) and copy the last on
+    write; each equals transformers' greedy run."""
+    prompts = mixed_prompts(6)
+    llm = make_llm(gemma4.path, "torch", **SCENARIOS[scenario])
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert [c.token_ids for c in output.outputs] == [hf_greedy(gemma4.hf_model, prompt, MAX_NEW_TOKENS)] * 3
+
+
+def test_beam_search_matches_transformers(gemma4):
+    check_against_hf(beam_llm(gemma4.path, **SCENARIOS["swap"]), gemma4.hf_model, "gemma4", 4, False)
+
+
+def test_shared_layers_take_no_room_in_the_pool(gemma4, tmp_path):
+    """The last two layers (one local, one global) read layers 2 and 3's blocks: a token's K/V costs a third less
+    (they hold a third of every kind's bytes), and the pools hold exactly that much per block."""
+    config = ARCH_CONFIGS["gemma4"]()
+    config.num_kv_shared_layers = 0
+    unshared = make_llm(build_checkpoint("gemma4", tmp_path, config=config).path, "torch")
+    llm = make_llm(gemma4.path, "torch")
+    shared_bytes, unshared_bytes = llm.engine.config.kv_bytes_per_token, unshared.engine.config.kv_bytes_per_token
+    assert unshared_bytes == 4 * 2 * 3 * (1 * 64 + 2 * 128)  # fp32, K and V, 3 local + 3 global layers
+    assert shared_bytes == unshared_bytes * 2 // 3
+    runner = llm.engine.runner
+    blocks = llm.engine.config.scheduler.num_device_blocks
+    assert sum(p.numel() * p.element_size() for p, _ in runner.pools) == shared_bytes * 16 * blocks
+    layers = runner.model.attention_layers()
+    assert [a.k_cache.data_ptr() for a in layers[4:]] == [a.k_cache.data_ptr() for a in layers[2:4]]
+    assert [a.v_cache.data_ptr() for a in layers[4:]] == [a.v_cache.data_ptr() for a in layers[2:4]]
+
+
+def test_proportional_rope_as_transformers():
+    """Global layers: a quarter of the angle pairs turn, over the whole (global) head size; local ones: default."""
+    config = ARCH_CONFIGS["gemma4"]()
+    hf = Gemma4TextRotaryEmbedding(config)
+    for kind, head_dim in (("full_attention", 128), ("sliding_attention", 64)):
+        rope = rope_config(config.to_dict() | {"rope_parameters": config.rope_parameters[kind]}, head_dim, 256)
+        assert torch.equal(rope_inv_freq(rope)[0], getattr(hf, f"{kind}_inv_freq"))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"num_kv_shared_layers": 6}, r"num_kv_shared_layers=6 must be in \[0, num_hidden_layers=6\)"),
+    ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5 leaves no earlier layer"),
+    ({"layer_types": ["full_attention", "sliding_attention"] * 3}, "layer_types must end with a full_attention"),
+    ({"per_layer_config": {"1": {"head_dim": 128, "sliding_window": 8}}}, r"per_layer_config\['1'\]"),
+    ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input=100 must cover"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+     "rope_parameters lacks the 'full_attention'"),
+])
+def test_configs_the_engine_cannot_run_fail_at_load(tmp_path, extra, match):
+    path = write_config(tmp_path, ARCH_CONFIGS["gemma4"](), ARCH, **extra)
+    with pytest.raises(ValueError, match=match):
+        Gemma4ForCausalLM(read_model_config(path), torch.device("cpu"), torch.float32, TensorParallel())
+
+
+def test_checkpoints_without_per_layer_config_read_global_head_dim(tmp_path):
+    """Google's config.json names global_head_dim and num_global_key_value_heads; transformers 5 writes them
+    as per_layer_config: both give the global layers the same shape."""
+    config = ARCH_CONFIGS["gemma4"]()
+    legacy = write_config(tmp_path, config, ARCH, drop=("per_layer_config",), global_head_dim=128,
+                          num_global_key_value_heads=2)
+    with open(f"{legacy}/config.json") as f:
+        assert "per_layer_config" not in f.read()
+    written = tmp_path / "written"
+    written.mkdir()
+    assert read_model_config(legacy).kv_layers() == read_model_config(write_config(written, config, ARCH)).kv_layers()
+    assert transformers.Gemma4TextConfig.from_pretrained(legacy).per_layer_config[1].head_dim == 128
