@@ -6,6 +6,7 @@ import glob
 import os
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models import model_class
 from engine.models.config import ModelConfig
 from engine.models.moe import FusedExperts
+from engine.mxfp4 import Mxfp4Reader, mxfp4_reader
 from engine.quantization import quant_config
 
 
@@ -42,7 +44,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
     model.tie_weights()
     quant = quant_config(cfg.path, cfg.hf, quantization)
     quantized = quantized_model.prepare(model, quant)
-    missing = _unfilled(model, _load_files(model, files, show_progress))
+    mxfp4 = mxfp4_reader(cfg, cls, files, dtype)
+    missing = _unfilled(model, _load_files(model, files, show_progress, mxfp4))
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -74,20 +77,24 @@ def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
             layer.fuse(ops)
 
 
-def _load_files(model: nn.Module, files: list[str], show_progress: bool) -> dict[str, set]:
-    """Fills the parameters; returns, per parameter filled, the parts that were (None: the whole tensor)."""
+def _load_files(model: nn.Module, files: list[str], show_progress: bool, mxfp4: Mxfp4Reader | None
+                ) -> dict[str, set]:
+    """Fills the parameters; returns, per parameter filled, the parts that were (None: the whole tensor).
+    ``mxfp4`` reads an MXFP4 checkpoint's blocks and scales as one dequantized tensor."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    names = _Names(params, getattr(model, "packed_modules", {}), getattr(model, "checkpoint_renames", {}),
-                   getattr(model, "expert_parts", {}))
+    names = _Names(params, packed=getattr(model, "packed_modules", {}),
+                   renames=getattr(model, "checkpoint_renames", {}), experts=getattr(model, "expert_parts", {}),
+                   unused=getattr(model, "unused_checkpoint_weight", None))
     loaded: dict[str, set] = defaultdict(set)
     with tqdm(total=_count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = names.target(name)
+                    name, src = mxfp4.read(name, f) if mxfp4 else (name, f.get_slice(name))
+                    target = names.target(name) if src is not None else None
                     if target is not None:
-                        _copy_weight(target, f.get_slice(name), params, modules, name)
+                        _copy_weight(target, src, params, modules, name)
                         loaded[target[0]].add(target[1])
                     bar.update(1)
     return loaded
@@ -137,6 +144,7 @@ class _Names:
     packed: dict[str, tuple[str, int]]
     renames: dict[str, str]
     experts: dict[str, tuple[str, int]]
+    unused: Callable[[str], bool] | None = None  # the model class's: weights the checkpoint has for other uses
 
     def target(self, name: str) -> tuple[str, int | tuple[int, int] | None] | None:
         """(parameter name, its part: a shard index, (expert, shard index) or None); None = not ours (e.g. rotary
@@ -149,7 +157,7 @@ class _Names:
                 return found
             if candidate in self.params:
                 return candidate, None
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or (self.unused is not None and self.unused(name)):
             return None
         raise ValueError(f"checkpoint weight {name!r} matches no parameter of the model")
 

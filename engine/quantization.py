@@ -63,7 +63,8 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
     made at load from an unquantized checkpoint; None for neither. A config this engine cannot run is a
     ValueError naming its field."""
     raw = hf.get("quantization_config")
-    if raw is None:
+    # MXFP4 quantizes experts only, dequantized at load (engine/mxfp4.py): the linear layers are as if unquantized.
+    if raw is None or raw.get("quant_method") == "mxfp4":
         if requested is None:
             return None
         method, activations = LOAD_SCHEMES[requested]
@@ -78,7 +79,8 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
     elif method == "fp8":
         config = _fp8_method(where, raw)
     else:
-        raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8, fp8)")
+        raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8, fp8; "
+                         "mxfp4 for gpt-oss's experts)")
     if requested not in (None, config.scheme):
         raise ValueError(f"quantization={requested!r}, but {where} describes {config.scheme}")
     return config

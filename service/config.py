@@ -127,15 +127,17 @@ class GatewayConfig:
                                                                    "choice list accepted, in characters")
     # vLLM's names; None or "none": tool_choice "auto" is refused (a forced call needs no parser).
     tool_call_parser: str | None = spec("hermes", choices=("hermes", "llama3_json", "mistral", "pythonic",
-                                                           "qwen3_coder", "none", None),
+                                                           "qwen3_coder", "gpt_oss", "none", None),
                                         help="format of the tool calls the model writes (hermes: Qwen2.5/Qwen3/"
                                              "Hermes, llama3_json: Llama 3.1/3.2, mistral, pythonic: Llama 3.2/"
-                                             "Llama 4's [f(x=1)], qwen3_coder: Qwen3-Coder's XML), parsed for "
+                                             "Llama 4's [f(x=1)], qwen3_coder: Qwen3-Coder's XML, gpt_oss: "
+                                             "harmony's messages to functions.NAME), parsed for "
                                              "tool_choice 'auto'; none: no parsing")
-    reasoning_parser: str | None = spec(None, choices=("deepseek_r1", "qwen3", None),
+    reasoning_parser: str | None = spec(None, choices=("deepseek_r1", "qwen3", "gpt_oss", None),
                                         help="split the model's <think>...</think> into reasoning_content "
                                              "(deepseek_r1: the template opens it in the prompt; qwen3: the "
-                                             "model opens it)")
+                                             "model opens it; gpt_oss: harmony's analysis channel, the final "
+                                             "channel's body as content)")
     engine_poll_s: float = spec(0.5, flag="--engine-poll", help="seconds between reads of the engines' heartbeats")
     retry_after_s: int = spec(1, flag="--retry-after", help="Retry-After seconds sent with a 429 or a 503")
     # A Redis blip must not fail every healthy stream: only this many failed reads in a row do.

@@ -264,11 +264,16 @@ def _parse_common(body: dict[str, Any], config: GatewayConfig, chat: bool, max_t
         chat=chat, model=model, stream=stream, params=_sampling_params(body, n, max_tokens, logprobs, extras),
         stop=_parse_stop(body.get("stop"), config),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, not (chat and _harmony(config))),
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
         want_logprobs=logprobs is not None, cache_salt=_parse_cache_salt(body), tools=tools,
         priority=_parse_priority(body),
         prompt_logprobs=prompt_logprobs, structured_output_param=so_param)
+
+
+def _harmony(config: GatewayConfig) -> bool:
+    """gpt-oss's parsers read its channels off its special tokens: its chat output keeps them by default."""
+    return "gpt_oss" in (config.reasoning_parser, config.tool_call_parser)
 
 
 def _parse_priority(body: dict[str, Any]) -> int:

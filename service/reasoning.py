@@ -6,6 +6,8 @@ enable_thinking=false) has no reasoning. Without a closing tag, everything is re
 """
 from __future__ import annotations
 
+from service.harmony import HarmonyReasoning
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -53,3 +55,9 @@ class ReasoningStream:
         keep = 0 if final else _partial(self._text, CLOSE)
         out, self._text = self._text[:len(self._text) - keep], self._text[len(self._text) - keep:]
         return out
+
+
+def reasoning_stream(parser: str, enable_thinking: bool = True) -> ReasoningStream | HarmonyReasoning:
+    """``--reasoning-parser``'s stream: gpt_oss's channels (service/harmony.py; its reasoning is not switched off by
+    ``enable_thinking``), or the ``<think>`` tags."""
+    return HarmonyReasoning() if parser == "gpt_oss" else ReasoningStream(parser, enable_thinking)

@@ -25,7 +25,7 @@ from service.errors import APIError
 from service.messages import EventKind, ReplyEvent
 from service.metrics import GatewayMetrics
 from service.protocol import GenerationRequest
-from service.reasoning import ReasoningStream
+from service.reasoning import reasoning_stream
 from service.server_errors import internal_error, unavailable
 from service.tokenizer_threads import TokenizerThreads
 from service.tool_parsers import ForcedCallParser, MessageStream, ToolCallStream, make_parser, merge
@@ -292,7 +292,7 @@ class Run:
             parser = make_parser(config.tool_call_parser, tools.tools)
         name = config.reasoning_parser
         thinking = self.req.chat_template_kwargs.get("enable_thinking", True) is not False
-        reasoning = ReasoningStream(name, thinking) if name else None
+        reasoning = reasoning_stream(name, thinking) if name else None
         if parser is None and reasoning is None:
             return None
         calls = ToolCallStream(parser, f"{self.request_id}:{index}") if parser is not None else None

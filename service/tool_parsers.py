@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from service.harmony import HarmonyReader, Piece
+
 _ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -302,8 +304,32 @@ class ForcedCallParser:
         return len(text)
 
 
+class HarmonyParser:
+    """gpt-oss's harmony messages (service/harmony.py): one to ``functions.NAME`` is a call of NAME with its body
+    as the arguments, read whole (bad JSON leaves the message, as written, content); the others' bodies, and text
+    outside messages, are content."""
+
+    def __init__(self) -> None:
+        self._reader = HarmonyReader()
+        self._arguments: list[str] = []  # the open call's body so far
+
+    def split(self, text: str, start: bool, final: bool) -> tuple[list[Any], int]:
+        pieces, used = self._reader.read(text, final)
+        return [out for p in pieces if (out := self._piece(p))], used
+
+    def _piece(self, piece: Piece) -> ToolCall | str:
+        name = piece.header.function if piece.header else None
+        if name is None:
+            return piece.text if piece.part in ("outside", "body") else ""
+        if piece.part != "close":
+            self._arguments += [piece.text] if piece.part == "body" else []
+            return ""
+        arguments, self._arguments = "".join(self._arguments), []
+        return _named_call(name, arguments) or piece.header.raw + arguments + piece.text
+
+
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-                             "pythonic": PythonicParser, "qwen3_coder": Qwen3CoderParser}
+                             "pythonic": PythonicParser, "qwen3_coder": Qwen3CoderParser, "gpt_oss": HarmonyParser}
 
 
 def make_parser(name: str, tools: list[dict[str, Any]]) -> ToolParser:
@@ -396,7 +422,7 @@ class MessageStream:
     in which the tool parser (when there is one) finds the calls."""
 
     def __init__(self, tools: ToolCallStream | None, reasoning: Any | None) -> None:
-        self.tools, self.reasoning = tools, reasoning  # reasoning: a service.reasoning.ReasoningStream
+        self.tools, self.reasoning = tools, reasoning  # reasoning: service.reasoning.reasoning_stream's
 
     @property
     def num_calls(self) -> int:

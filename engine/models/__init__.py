@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
@@ -58,6 +59,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt-oss", {"GptOssForCausalLM": GptOssForCausalLM},
                 sliding_window="alternating sliding / full layers (`layer_types`), attention sinks",
                 moe="top-k logits softmaxed, biased experts, clamped SwiGLU; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("DeepSeek-V3, Kimi-K2", {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM},
+                moe="sigmoid, grouped top-k with a selection bias, shared experts, dense first layers; " + _MOE_TP,
+                unquantized=_MOE_UNQUANTIZED + ", latent up-projection (`kv_b_proj`)"),
     ModelFamily("OPT", {"OPTForCausalLM": OPTForCausalLM}),
 )
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: cls for family in FAMILIES for arch, cls in family.classes.items()}

@@ -63,6 +63,7 @@ class GptOssForCausalLM(MoeForCausalLM):
     checkpoint_renames = {".self_attn.sinks": ".self_attn.attn.sinks", ".experts.gate_up_proj": ".experts.w13",
                           ".experts.down_proj": ".experts.w2"}
     expert_parts: dict[str, tuple[str, int]] = {}  # stacked in the checkpoint already
+    mxfp4_tensors = (".experts.gate_up_proj", ".experts.down_proj")  # OpenAI's checkpoints: MXFP4 (engine/mxfp4.py)
     attention_sinks = True
     qkv_bias = True
     experts_keys = ("num_local_experts",)

@@ -101,6 +101,17 @@ ARCH_CONFIGS = {
                                                                   "truncate": False,
                                                                   "original_max_position_embeddings": 64},
                                                  tie_word_embeddings=False),
+    # DeepSeek-V3: MLA with a low-rank query (q_lora_rank), a 48-dim latent + 16 interleaved rope dims (one 64-wide
+    # cached "head"), YaRN with mscale != mscale_all_dim (rotary and softmax scale both change); layer 0 dense, then
+    # 8 experts in 4 groups, the best 2 groups kept, top-2, a selection bias, a shared expert, scaled weights.
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_attention_heads": 4}, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=48, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                    "mscale_all_dim": 0.8},
+        tie_word_embeddings=False),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,
@@ -140,9 +151,10 @@ def _draw_zero_norms(model: transformers.PreTrainedModel) -> None:
 
 @torch.no_grad()
 def _draw_zero_biases(model: transformers.PreTrainedModel) -> None:
-    """gpt-oss's biases (projections, experts) start at zero: drawn at random, so they count."""
-    if model.config.model_type == "gpt_oss":
-        for name, param in model.named_parameters():
+    """gpt-oss's biases (projections, experts) and DeepSeek's routing bias start at zero: drawn at random, so they
+    count."""
+    if model.config.model_type in ("gpt_oss", "deepseek_v3"):
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("bias") and not param.any():
                 param.normal_(0.0, 0.5)
 

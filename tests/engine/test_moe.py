@@ -73,7 +73,9 @@ def test_moe_models_decode_eagerly():
 
     moe = [cls for family in FAMILIES if family.moe for cls in family.classes.values()]
     dense = [cls for family in FAMILIES if not family.moe for cls in family.classes.values()]
-    assert len(moe) == 4 and not any(cls.graph_capturable for cls in moe)
+    names = {cls.__name__ for cls in moe}
+    assert {"MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"} <= names, names
+    assert not any(cls.graph_capturable for cls in moe)
     assert all(getattr(cls, "graph_capturable", True) for cls in dense)
 
 

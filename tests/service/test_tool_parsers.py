@@ -156,7 +156,7 @@ def test_forced_call_cut_short_keeps_its_partial_arguments() -> None:
 
 
 def test_registry() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "gpt_oss"}
     assert isinstance(make_parser("hermes", Q_TOOLS), HermesParser)
     # The gateway's parser for a request reads the request's tools: "12" is an integer for edit's line.
     assert _calls(extract(make_parser("qwen3_coder", Q_TOOLS), q("edit", line="12"))[1]) == [("edit", {"line": 12})]
