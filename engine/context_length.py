@@ -1,4 +1,4 @@
-"""The context-length rule, in one place: the gateway applies it at the edge, ``LLMEngine.add_request`` for
+"""The context-length rules, in one place: the gateway applies it at the edge, ``LLMEngine.add_request`` for
 offline callers; nothing past them checks it again."""
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
             f"({num_prompt_tokens} in the {where}, {max_tokens} in the completion). Please reduce the length of the "
             f"{where} or the completion.", "max_tokens")
     return max_tokens
+
+
+def check_input_length(num_tokens: int, max_model_len: int, where: str = "input") -> None:
+    """An embedding input runs its prefill alone: it may fill the context, not pass it; ContextLengthError
+    otherwise. ``where``: the input's field ("input", or "input[i]" in a list)."""
+    if num_tokens > max_model_len:
+        raise ContextLengthError(f"This model's maximum context length is {max_model_len} tokens. However, {where} "
+                                 f"has {num_tokens} tokens.", where)

@@ -14,7 +14,7 @@ import torch
 
 from engine.async_step import StepPipeline, runs_ahead
 from engine.config import EngineConfig
-from engine.context_length import fit_max_tokens
+from engine.context_length import check_input_length, fit_max_tokens
 from engine.core.grammar import StructuredOutputManager
 from engine.core.kv_snapshot import KVSnapshot
 from engine.core.scheduler import Scheduler
@@ -85,9 +85,7 @@ class LLMEngine:
         if resume is not None:
             raise ValueError("an embedding request has no output to resume: run it again")
         self._check_prompt(prompt)
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"the input ({len(prompt)} tokens) exceeds this model's maximum context length "
-                             f"(max_model_len) of {self.max_model_len} tokens")
+        check_input_length(len(prompt), self.max_model_len)
         return params.resolve(self.pooler_config)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:

@@ -143,7 +143,9 @@ class ModelRunner:
         # index_select, not hidden[rows]: advanced indexing runs an OpenMP region (~0.2 ms, more under load).
         logits, argmax = self.model.compute_logits(hidden.index_select(0, sample_rows), b.need_logits)
         if logits is None:
-            return None if argmax is None and prompt is None else Logits(None, argmax, prompt, pooled)
+            if argmax is None and prompt is None and pooled is None:
+                return None
+            return Logits(None, argmax, prompt, pooled)
         if not b.need_logits and argmax is None:  # the argmax on the logits as they are: no fp32 copy of them
             return Logits(None, self.ops.row_argmax(logits), prompt, pooled)
         return Logits(logits.float(), argmax, prompt, pooled)

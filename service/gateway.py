@@ -26,7 +26,7 @@ from service.limits import KeyLimits
 from service.messages import RequestMsg, StreamRecord, params_to_wire, pooling_to_wire
 from service.metrics import GatewayMetrics
 from service.prompts import Prompts
-from service.protocol import (GenerationRequest, TokenizeRequest, check_context, check_input_length, parse_chat,
+from service.protocol import (GenerationRequest, TokenizeRequest, check_context, check_input, parse_chat,
                               parse_completion, parse_detokenize, parse_embeddings, parse_json, parse_tokenize)
 from service.resume import Resumes, new_request_id, parse_event_id
 from service.served_model import ServedModel
@@ -198,7 +198,7 @@ class Gateway:
         def tokenized() -> list[list[int]]:
             ids = [self.prompts.prompt_ids(one, param) for one, param in zip(inputs, params)]
             for one, param in zip(ids, params):
-                check_input_length(len(one), context, param)
+                check_input(len(one), context, param)
             return ids
         return await self.threads.run(http, tokenized, bounded=True)
 

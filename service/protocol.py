@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from engine.context_length import ContextLengthError, fit_max_tokens
+from engine.context_length import ContextLengthError, check_input_length, fit_max_tokens
 from engine.field_specs import value_type
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -588,8 +588,9 @@ def check_context(request: GenerationRequest, num_prompt_tokens: int, max_model_
                             f"({params.max_tokens} tokens)", param="min_tokens")
 
 
-def check_input_length(num_tokens: int, max_model_len: int, param: str) -> None:
-    """An embedding input runs its prefill alone: it may fill the context, not pass it (the engine's rule)."""
-    if num_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, {param} has "
-                            f"{num_tokens} tokens.", param=param, code="context_length_exceeded")
+def check_input(num_tokens: int, max_model_len: int, param: str) -> None:
+    """An embedding input within the context (``engine.context_length``'s rule)."""
+    try:
+        check_input_length(num_tokens, max_model_len, param)
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None

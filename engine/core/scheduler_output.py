@@ -43,7 +43,6 @@ class ScheduledSeq:
             return range(0)
         return range(self.start, end)
 
-
     def pool_positions(self) -> range:
         """This chunk's positions a pooling request (``group.pooling``) pools: every one for mean pooling, the
         prompt's last for last-token pooling, position 0 for CLS. Empty for other requests."""
