@@ -22,8 +22,9 @@ HEAD_SIZES = tuple(int(d) for d in re.findall(r"X\((\d+)\)", next(
 class KernelOps:
     """reshape_and_cache, paged_attention, copy_blocks, swap_blocks, and the fused layer ops
     fused_add_rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, greedy sampling's row_argmax,
-    structured output's apply_token_bitmask and masked_row_argmax, MoE's grouped expert GEMM fused_moe
-    (signatures in cuda_ext.reference), and
+    structured output's apply_token_bitmask and masked_row_argmax, MoE's grouped expert GEMM fused_moe,
+    Gated DeltaNet's gated_delta_rule and causal_conv1d over state slots (signatures in cuda_ext.reference),
+    and
     pack_linear: (weight, bias, screen_argmax=False) -> the layer on the skinny GEMM op, or None to keep
     F.linear;
     llama_decoder_layer: a whole Llama-family layer on packed weights in one call (CPU), or None."""
@@ -40,6 +41,8 @@ class KernelOps:
     apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     masked_row_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     fused_moe: Callable[..., torch.Tensor]
+    gated_delta_rule: Callable[..., torch.Tensor]
+    causal_conv1d: Callable[..., torch.Tensor]
     pack_linear: Callable[..., PackedLinear | None]
     llama_decoder_layer: Callable[..., torch.Tensor] | None
 
@@ -75,6 +78,8 @@ def load_ops(backend: str = "ext", attention_kernel: str = "simple") -> KernelOp
         apply_token_bitmask=module.apply_token_bitmask,
         masked_row_argmax=module.masked_row_argmax,
         fused_moe=module.fused_moe,
+        gated_delta_rule=module.gated_delta_rule,
+        causal_conv1d=module.causal_conv1d,
         pack_linear=pack_linear if backend == "ext" else keep_unpacked,
         llama_decoder_layer=module.llama_decoder_layer if backend == "ext" else None,
     )

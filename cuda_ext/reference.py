@@ -14,6 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from cuda_ext import reference_recurrent
+
+# Gated DeltaNet's state-carrying ops, kept in a module of their own.
+causal_conv1d = reference_recurrent.causal_conv1d
+gated_delta_rule = reference_recurrent.gated_delta_rule
+
 # The largest code of each quantized KV dtype: a row's absmax maps to it.
 KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 

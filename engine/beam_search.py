@@ -163,8 +163,13 @@ def _update_done(state: BeamState, running: list[Continuation], length: int) -> 
 
 def advance(kv: KVAllocator, cands: list[Sequence],
             running: list[Continuation]) -> tuple[list[Sequence], list[Sequence]]:
-    """The next candidates (``running``'s order) and the dropped ones, whose blocks the caller frees.
-    Call between steps, once the candidates' K/V is computed (forks share it)."""
+    """The next candidates (``running``'s order) and the dropped ones, whose blocks (and a hybrid model's state
+    slots) are freed here before the forks take theirs. Call between steps, once the candidates' K/V is computed
+    (forks share it)."""
+    chosen = {c.parent for c in running}
+    dropped = [s for i, s in enumerate(cands) if i not in chosen]
+    for seq in dropped:
+        kv.free(seq.seq_id)
     kept: set[int] = set()
     nxt = []
     for rank, c in enumerate(running):
@@ -180,7 +185,7 @@ def advance(kv: KVAllocator, cands: list[Sequence],
     for seq, c in zip(nxt, running):  # after every fork: a child copies its parent's tokens
         seq.append_token(c.token)
         seq.cumulative_logprob = c.cumulative_logprob
-    return nxt, [s for i, s in enumerate(cands) if i not in kept]
+    return nxt, dropped
 
 
 def final_sequences(state: BeamState, prompt: list[int], n: int) -> list[Sequence]:

@@ -74,6 +74,9 @@ class EngineConfig:
                                               "model's tokenizer")
     ngram_prompt_lookup_max: int = spec(4, low=1, help="longest suffix n-gram the ngram proposer looks up")
     ngram_prompt_lookup_min: int = spec(2, low=1, help="shortest suffix n-gram the ngram proposer looks up")
+    num_state_snapshots: int | None = spec(low=0, help="hybrid recurrent-state models (Qwen3-Next, Qwen3.5): "
+                                                        "state snapshots kept for prefix-cache hits, each as "
+                                                        "large as one sequence's state (default: max_num_seqs)")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:

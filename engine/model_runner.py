@@ -14,7 +14,8 @@ from cuda_ext import KernelOps
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KV_SCALE_DTYPE
-from engine.layers.attention import AttentionMetadata
+from engine.core.state_cache import StateMove
+from engine.layers.attention import AttentionMetadata, StateMetadata
 from engine.models.layer_kv import KVPoolGroup, pool_groups
 from engine.resolved_config import ResolvedConfig
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
@@ -76,6 +77,7 @@ class StepPlan:
     swap_in: torch.Tensor
     copies: torch.Tensor
     batch: Batch | None
+    state_moves: list[StateMove] = field(default_factory=list)  # a hybrid model's, in order
 
 
 class ModelRunner:
@@ -93,6 +95,11 @@ class ModelRunner:
             views |= self._new_pools(group, attention[group.layers[0]].num_kv_heads, config)
         for attn, layer in zip(attention, m.kv_layers()):  # a layer sharing K/V reads its source's blocks
             attn.bind(ops, *views[layer.source])
+        # A hybrid model's recurrent layers: (device, CPU swap) pool pairs indexed by state slot
+        # (engine/core/state_cache.py), two per layer (conv windows, recurrent matrices).
+        self.state_pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if m.linear_state is not None:
+            self._bind_state_pools(model.state_layers(), config)
         self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
         self.graphs: DecodeGraphs | None = None
         self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
@@ -114,6 +121,19 @@ class ModelRunner:
         return {layer: tuple(pool[:, j, part] for pool in device_pools for part in (0, group.parts - 1))
                 for j, layer in enumerate(group.layers)}
 
+    def _bind_state_pools(self, layers: list, config: ResolvedConfig) -> None:
+        """Zeroed pools: a slot read before any write (a fresh sequence) must not hold NaNs, even masked."""
+        sched = config.scheduler
+        num_slots = sched.num_state_slots + sched.num_state_snapshots
+        for layer in layers:
+            pools = []
+            for shape, dtype in zip(layer.state_shapes(), (config.dtype, torch.float32)):
+                device_pool = torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
+                pools.append(device_pool)
+                self.state_pools.append((device_pool, _cpu_pool(sched.num_cpu_state_slots, shape, dtype,
+                                                                self.device)))
+            layer.bind(self.ops, *pools)
+
     def enable_decode_graphs(self) -> None:
         """Decode-only steps from now on padded to ``DecodeGraphs``' buckets (captured as CUDA graphs on CUDA)."""
         self.graphs = DecodeGraphs(self.model, self._max_num_seqs, -(-self._max_model_len // self.block_size),
@@ -125,8 +145,8 @@ class ModelRunner:
 
     def plan(self, out: SchedulerOutput) -> StepPlan:
         batch = self._prepare(out.scheduled) if out.scheduled else None
-        return StepPlan(_mapping(out.blocks_to_swap_out), _mapping(out.blocks_to_swap_in),
-                        _mapping(out.blocks_to_copy), batch)
+        return StepPlan(swap_out=_mapping(out.blocks_to_swap_out), swap_in=_mapping(out.blocks_to_swap_in),
+                        copies=_mapping(out.blocks_to_copy), batch=batch, state_moves=out.state_moves)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, fill: TokenFill | None = None) -> Logits | None:
@@ -162,6 +182,8 @@ class ModelRunner:
             step = self.inputs.load(StepLayout(len(b.input_ids), len(m.seq_lens), width, len(b.sample_rows)), step)
         if fill is not None:
             fill.apply(step.input_ids)
+        if m.state is not None:
+            step.meta.state = m.state if self.device.type == "cpu" else m.state.to(self.device)
         return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:
@@ -197,6 +219,10 @@ class ModelRunner:
                 self.ops.swap_blocks(cpu_pool, device_pool, plan.swap_in)
             if plan.copies.numel():
                 self.ops.copy_blocks(device_pool, plan.copies.to(self.device))
+        for move in plan.state_moves:  # one by one, in order: a slot may be read, then reused, in one step
+            for device_pool, cpu_pool in self.state_pools:
+                src, dst = _STATE_MOVES[move.kind](device_pool, cpu_pool)
+                dst[move.dst].copy_(src[move.src], non_blocking=True)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         """One pass over the seqs into flat typed arrays, each wrapped as a tensor without a per-element
@@ -207,6 +233,7 @@ class ModelRunner:
         pool_rows, pool_segments = array("q"), array("q")
         argmax_only = True
         query_start_loc, seq_lens, block_tables = array("i", [0]), array("i"), array("i")
+        states = array("q")  # a hybrid model's per-seq slot, has-initial, save slot, save offset
         width, bs = max(len(s.block_table) for s in scheduled), self.block_size
         for s in scheduled:
             start, table = s.start, s.block_table
@@ -230,6 +257,8 @@ class ModelRunner:
                 first = len(input_ids) - (end - start) - start  # the row of position 0
                 pool_rows.extend(range(first + span.start, first + span.stop))
                 pool_segments.extend(repeat(pool_segments[-1] + 1 if pool_segments else 0, len(span)))
+            if s.state is not None:
+                states.extend((s.state.slot, start > 0, s.state.save_slot, s.state.save_at))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             block_tables.fromlist(table)
@@ -245,7 +274,8 @@ class ModelRunner:
             slot_mapping=_host_tensor(slots, torch.int64),
             block_tables=_host_tensor(block_tables, torch.int32).view(len(scheduled), width),
             seq_lens=_host_tensor(seq_lens, torch.int32), query_start_loc=_host_tensor(query_start_loc, torch.int32),
-            max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens))
+            max_query_len=max(s.num_new_tokens for s in scheduled), max_seq_len=max(seq_lens),
+            state=_state_metadata(states))
         return Batch(input_ids=_host_tensor(input_ids, torch.int64), positions=_host_tensor(positions, torch.int64),
                      meta=meta, sample_rows=_host_tensor(sample_rows, torch.int64), need_logits=not argmax_only,
                      prompt_rows=_host_tensor(prompt_rows, torch.int64),
@@ -255,6 +285,13 @@ class ModelRunner:
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+
+
+def _state_metadata(states: array) -> StateMetadata | None:
+    if not states:
+        return None
+    columns = _host_tensor(states, torch.int64).view(-1, 4).t()
+    return StateMetadata(columns[0].contiguous(), columns[1].bool(), columns[2].contiguous(), columns[3].contiguous())
 
 
 def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
@@ -288,6 +325,9 @@ def _cpu_pool(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, devic
                        pin_memory=device.type == "cuda" and num_blocks > 0)
 
 
+# A state move's (source pool, destination pool) of a (device, CPU) pair.
+_STATE_MOVES = {"copy": lambda dev, cpu: (dev, dev), "swap_out": lambda dev, cpu: (dev, cpu),
+                "swap_in": lambda dev, cpu: (cpu, dev)}
 _NO_PAIRS = torch.empty(0, 2, dtype=torch.int64)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 # Prompt rows whose logits exist at once: 512 x a 128k vocabulary in fp32 is 256 MiB (and as much for log_softmax).

@@ -38,6 +38,7 @@ class ResolvedConfig:
     # A draft model's share of a token (speculative_method="draft"): its pool has as many blocks as this one,
     # sized from the same budget.
     draft_kv_bytes_per_token: int = 0
+    state_slot_bytes: int = 0  # a hybrid model's recurrent state of one sequence, this rank's share (else 0)
     # Decode-only steps replay CUDA graphs: on CUDA, compiled kernels (the reference ones read lengths on the
     # host) and one rank (a collective inside a graph is not worth its risk), unless enforce_eager or the model
     # syncs with the host inside its forward (MoE: fused_moe sizes its expert groups there).
@@ -64,21 +65,60 @@ def resolve_config(config: EngineConfig, load: Callable[[ModelConfig, torch.devi
         raise ValueError(f"{model_config.path!r} has head size {min(unsupported)}; the compiled paged attention "
                          f"supports {', '.join(map(str, cuda_ext.HEAD_SIZES))} (attention_backend='torch' runs any)")
     draft_bytes = _draft_token_bytes(config, device)  # a bad draft checkpoint fails before the long load
+    state = _state_slots(config, model_config, dtype, tp)
     model = load(model_config, device, dtype)
     kv_dtype = KVCacheDtype.resolve(config.kv_cache_dtype, dtype)
     # A rank stores only its KV heads of every block; a layer sharing another's K/V stores none.
     token_bytes = kv_token_bytes(model_config.kv_layers(), kv_dtype.token_bytes, tp.kv_heads)
     num_device_blocks, num_cpu_blocks = tp.agree_min(list(_kv_blocks(config, token_bytes, draft_bytes,
-                                                                     max_model_len, device, tp.size)))
+                                                                     max_model_len, device, tp.size,
+                                                                     state.device_bytes if state else 0)))
     scheduler = SchedulerConfig.resolved(config, num_device_blocks=num_device_blocks, num_cpu_blocks=num_cpu_blocks,
-                                         max_model_len=max_model_len, sliding_window=model_config.kv_window)
+                                         max_model_len=max_model_len, sliding_window=model_config.kv_window,
+                                         **(state.scheduler_fields(num_cpu_blocks) if state else {}))
     decode_graphs = (not config.enforce_eager and device.type == "cuda" and config.attention_backend == "ext"
                      and tp.size == 1 and getattr(model, "graph_capturable", True))
     resolved = ResolvedConfig(model_config=model_config, tokenizer=config.tokenizer or model_config.path,
                               dtype=dtype, device=device, scheduler=scheduler, show_progress=config.show_progress,
                               kv_cache_dtype=kv_dtype, kv_bytes_per_token=token_bytes,
-                              draft_kv_bytes_per_token=draft_bytes, decode_graphs=decode_graphs)
+                              draft_kv_bytes_per_token=draft_bytes, decode_graphs=decode_graphs,
+                              state_slot_bytes=state.slot_bytes if state else 0)
     return resolved, model
+
+
+@dataclass(frozen=True, slots=True)
+class StateSlots:
+    """A hybrid model's recurrent-state slots on the device: one per sequence the batch can hold, and the
+    prefix cache's snapshots (engine/core/state_cache.py)."""
+
+    num_slots: int
+    num_snapshots: int
+    slot_bytes: int  # one slot over every recurrent layer, this rank's heads
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.num_slots + self.num_snapshots) * self.slot_bytes
+
+    def scheduler_fields(self, num_cpu_blocks: int) -> dict[str, int]:
+        """The slot counts; a sequence swapped out takes a CPU slot, where there is a CPU pool to swap to."""
+        return {"num_state_slots": self.num_slots, "num_state_snapshots": self.num_snapshots,
+                "num_cpu_state_slots": self.num_slots if num_cpu_blocks else 0}
+
+
+def _state_slots(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 tp: TensorParallel) -> StateSlots | None:
+    spec = model_config.linear_state
+    if spec is None:
+        return None
+    if config.speculative_method is not None:
+        raise ValueError(f"{model_config.path!r} is a hybrid recurrent-state model: speculative decoding is not "
+                         "supported for it (a rejected draft would need its recurrent state rolled back)")
+    snapshots = config.num_state_snapshots if config.num_state_snapshots is not None else config.max_num_seqs
+    state = StateSlots(config.max_num_seqs, snapshots if config.enable_prefix_caching else 0,
+                       spec.slot_bytes(dtype.itemsize, tp.size))
+    logger.info("recurrent state: %d sequence slots and %d prefix-cache snapshots of %.2f MiB each (%d layers)",
+                state.num_slots, state.num_snapshots, state.slot_bytes / 2**20, len(spec.layers))
+    return state
 
 
 def _draft_token_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -93,10 +133,11 @@ def _draft_token_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def _kv_blocks(config: EngineConfig, token_bytes: int, draft_bytes: int, max_model_len: int,
-               device: torch.device, num_ranks: int) -> tuple[int, int]:
+               device: torch.device, num_ranks: int, state_bytes: int = 0) -> tuple[int, int]:
     """Device and CPU block counts; those not given come from the byte budgets (a device block's share of
-    the budget holds a draft model's K/V too). The device pool is capped at what ``max_num_seqs`` full-length
-    sequences could ever use: more blocks would only idle."""
+    the budget holds a draft model's K/V too; a hybrid model's recurrent state slots, ``state_bytes``, come out
+    of it first). The device pool is capped at what ``max_num_seqs`` full-length sequences could ever use:
+    more blocks would only idle."""
     block_bytes = token_bytes * config.block_size
     device_block_bytes = (token_bytes + draft_bytes) * config.block_size
     num_device_blocks = config.num_device_blocks
@@ -105,6 +146,7 @@ def _kv_blocks(config: EngineConfig, token_bytes: int, draft_bytes: int, max_mod
         share = num_ranks if device.type == "cpu" else 1
         budget = config.kv_cache_memory_bytes or int(_available_memory(device) * config.kv_cache_memory_fraction
                                                      / share)
+        budget -= state_bytes
         num_device_blocks = min(budget // device_block_bytes,
                                 config.max_num_seqs * -(-max_model_len // config.block_size))
         if num_device_blocks < 1:

@@ -74,4 +74,13 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::
                      const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
                      double swiglu_alpha, double swiglu_limit);
 
+// Gated DeltaNet's state-carrying ops over per-sequence state slots (cpu/linear_attention.cpp).
+at::Tensor gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                const at::Tensor& beta, at::Tensor& states, const at::Tensor& slots,
+                                const at::Tensor& query_start_loc, const at::Tensor& has_initial,
+                                const at::Tensor& save_slots, const at::Tensor& save_offsets);
+at::Tensor causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_states,
+                             const at::Tensor& slots, const at::Tensor& query_start_loc, const at::Tensor& has_initial,
+                             const at::Tensor& save_slots, const at::Tensor& save_offsets);
+
 }  // namespace pagedserve

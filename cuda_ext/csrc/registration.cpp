@@ -36,6 +36,11 @@ TORCH_LIBRARY(pagedserve, m) {
   // Optional expert biases and gpt-oss's clamped SwiGLU (swiglu_alpha > 0; 0: SiLU-and-mul).
   m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, Tensor? w13_bias=None, "
         "Tensor? w2_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
+  // Gated DeltaNet over per-sequence state slots, updated in place (cpu/linear_attention.cpp).
+  m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, Tensor slots, "
+        "Tensor query_start_loc, Tensor has_initial, Tensor save_slots, Tensor save_offsets) -> Tensor");
+  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor slots, Tensor query_start_loc, "
+        "Tensor has_initial, Tensor save_slots, Tensor save_offsets) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_argmax(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
@@ -68,6 +73,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("masked_row_argmax", &pagedserve::masked_row_argmax_cpu);
   m.impl("llama_decoder_layer", &pagedserve::llama_decoder_layer_cpu);
   m.impl("fused_moe", &pagedserve::fused_moe);
+  m.impl("gated_delta_rule", &pagedserve::gated_delta_rule_cpu);
+  m.impl("causal_conv1d", &pagedserve::causal_conv1d_cpu);
   m.impl("pack_linear_weight", &pagedserve::pack_linear_weight_cpu);
   m.impl("skinny_linear", &pagedserve::skinny_linear_cpu);
   m.impl("skinny_linear_argmax", &pagedserve::skinny_linear_argmax_cpu);

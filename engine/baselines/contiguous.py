@@ -70,7 +70,6 @@ class ContiguousKVCacheManager:
         self.policy = policy
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
-        self.num_free_cpu_blocks = 0  # no swap pool: nothing is ever preempted
         self.arena = BuddyAllocator(num_blocks)
         self.tables: dict[int, Run] = {}
         self.prefix_cache_queries = 0
@@ -80,6 +79,9 @@ class ContiguousKVCacheManager:
         self._sum_computed = 0
 
     @property
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return False  # no swap pool: nothing is ever preempted
+
     def num_free_blocks(self) -> int:
         return self.arena.num_free_blocks
 

@@ -6,7 +6,9 @@ full; copy-on-write when the last block is shared) and ``free``; ``truncate``
 rolls back a speculative step's rejected slots. Plus prefix
 cache lookup at admission, hash registration of newly-full computed blocks,
 and whole-sequence swap between the pools. With a sliding window, blocks wholly
-behind it are released as the sequence advances (``None`` in the table).
+behind it are released as the sequence advances (``None`` in the table). A hybrid
+model's recurrent state slots (``state``, engine/core/state_cache.py) follow each
+sequence through the same primitives.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from engine.core.block_pool import Block, BlockPool
 from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
 from engine.core.kv_snapshot import PoolsSnapshot
 from engine.core.prefix_hash import ROOT_HASH, hash_block
+from engine.core.state_cache import StateCache
 
 
 @dataclass(slots=True)
@@ -39,7 +42,7 @@ class BlockTable:
 
 class KVCacheManager:
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_caching: bool, sliding_window: int = 0) -> None:
+                 enable_caching: bool, sliding_window: int = 0, state: StateCache | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         # No layer sees a key further back than this (0: some layer sees the whole context).
@@ -52,14 +55,11 @@ class KVCacheManager:
         self.tables: dict[int, BlockTable] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
+        self.state = state  # a hybrid model's per-sequence state slots; None for attention-only models
 
     @property
     def num_free_blocks(self) -> int:
         return self.device_pool.num_free_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu_pool.num_free_blocks
 
     def block_ids(self, seq_id: int) -> list[int]:
         return list(self.tables[seq_id].block_ids)
@@ -80,6 +80,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.state is not None:  # a hit must end where a state snapshot restores the recurrent layers
+            while hits and not self.state.has_snapshot(hits[-1].block_hash):
+                hits.pop()
         return hits
 
     def can_admit(self, admissions: list[Admission]) -> bool:
@@ -113,6 +116,8 @@ class KVCacheManager:
                                          last_hash=hits[-1].block_hash if hits else ROOT_HASH)
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_cached
+        if self.state is not None:
+            self.state.allocate(seq_id, hits[-1].block_hash if hits else None)
 
     # -- the three primitives ----------------------------------------------
     def fits_without_counting(self, num_tokens: int, num_seqs: int) -> bool:
@@ -210,9 +215,13 @@ class KVCacheManager:
                                            salt=parent.salt, num_slots=parent.num_slots,
                                            num_computed=parent.num_computed, num_hashed=parent.num_hashed,
                                            last_hash=parent.last_hash, num_released=parent.num_released)
+        if self.state is not None:
+            self.state.fork(parent_id, child_id)
 
     def free(self, seq_id: int) -> None:
-        """Release a sequence's blocks (no-op when it holds none)."""
+        """Release a sequence's blocks and state slot (no-op when it holds none)."""
+        if self.state is not None:
+            self.state.free(seq_id)
         table = self.tables.pop(seq_id, None)
         if table is None:
             return
@@ -239,13 +248,17 @@ class KVCacheManager:
                 pool.set_fill(block, block.num_slots, min(bs, num_computed - j * bs))
         table.num_computed = num_computed
         if self.enable_caching and register:
+            if self.state is not None and (boundary := self.state.saving_boundary(seq_id)) is not None:
+                self._register_full_blocks(table, token_ids, boundary)  # the snapshot's block, by its hash
+                self.state.commit_save(seq_id, table.last_hash)
             self._register_full_blocks(table, token_ids)
         if self.sliding_window:
             self._release_behind_window(table)
 
-    def _register_full_blocks(self, table: BlockTable, token_ids: list[int]) -> None:
+    def _register_full_blocks(self, table: BlockTable, token_ids: list[int], limit: int | None = None) -> None:
         bs = self.block_size
-        while (table.num_hashed + 1) * bs <= table.num_computed:
+        end = table.num_computed if limit is None else min(limit, table.num_computed)
+        while (table.num_hashed + 1) * bs <= end:
             start = table.num_hashed * bs
             chunk = token_ids[start:start + bs]
             table.last_hash = hash_block(table.last_hash, chunk, table.salt)
@@ -269,12 +282,21 @@ class KVCacheManager:
         """Distinct blocks held by these sequences (what swapping them moves)."""
         return len({b.block_id for s in seq_ids for b in self.tables[s].held()})
 
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        """Whether the CPU pool (and the CPU state slots) can take these sequences."""
+        state_fits = self.state is None or self.state.can_swap_out(seq_ids)
+        return state_fits and self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free_blocks
+
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move the sequences' blocks to the CPU pool: (device, cpu) pairs."""
+        """Move the sequences' blocks (and states) to the CPU pool: (device, cpu) block pairs."""
+        if self.state is not None:
+            self.state.swap_out(seq_ids)
         return self._move(seq_ids, self.device_pool, self.cpu_pool)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move the sequences' blocks back to the device: (cpu, device) pairs."""
+        """Move the sequences' blocks (and states) back to the device: (cpu, device) block pairs."""
+        if self.state is not None:
+            self.state.swap_in(seq_ids)
         return self._move(seq_ids, self.cpu_pool, self.device_pool)
 
     def _move(self, seq_ids: list[int], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:

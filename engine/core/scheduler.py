@@ -59,6 +59,7 @@ from engine.core.request_output import request_output, with_new_tokens
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.core.speculation import Speculation, SpecTarget
+from engine.core.state_cache import StateCache
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -97,8 +98,12 @@ def _drop_drafts(plan: list[ScheduledSeq]) -> int:
 
 def make_kv_allocator(config: SchedulerConfig) -> KVAllocator:
     if config.kv_allocator == "paged":
+        state = StateCache(config.num_state_slots, config.num_state_snapshots, config.num_cpu_state_slots,
+                           config.block_size) if config.num_state_slots else None
         return KVCacheManager(config.num_device_blocks, config.num_cpu_blocks,
-                              config.block_size, config.enable_prefix_caching, config.sliding_window)
+                              config.block_size, config.enable_prefix_caching, config.sliding_window, state)
+    if config.num_state_slots:
+        raise ValueError(f"a hybrid recurrent-state model needs kv_allocator='paged', not {config.kv_allocator!r}")
     if config.enable_prefix_caching:
         logger.info("prefix caching is off: the %s allocator shares no blocks (paged only)", config.kv_allocator)
     if config.num_cpu_blocks:
@@ -116,6 +121,7 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = make_kv_allocator(config)
+        self._hybrid = config.num_state_slots > 0  # recurrent state slots follow the sequences (state_cache.py)
         # The request registry: every unfinished request (WAITING_FOR_GRAMMAR, then in one of the queues
         # below), and the finished ones (or a resumed request's choices that ended on arrival) not reported yet.
         self.requests: dict[str, SequenceGroup] = {}
@@ -269,6 +275,8 @@ class Scheduler:
             self._schedule_batch(out, drafts or {})
         if self.grammar is not None and self.grammar.active and out.scheduled:
             out.token_mask = self.grammar.mask(out.samples())
+        if self._hybrid:
+            out.state_moves = self.kv.state.take_moves()
         return out
 
     def speculation_targets(self) -> list[SpecTarget]:
@@ -662,6 +670,8 @@ class Scheduler:
             if copy is not None:
                 out.blocks_to_copy.append(copy)
             s.block_table = kv.block_ids(seq_id)
+            if self._hybrid:
+                s.state = kv.state.step(seq_id, s.start, s.num_new_tokens, len(s.seq.token_ids))
         out.scheduled += plan
         # n > 1: fork once the (one) prompt is in. No group has forks pending in a steady decode.
         if (self._num_pending_forks and not group.params.use_beam_search and len(group.seqs) < group.params.n
@@ -676,7 +686,7 @@ class Scheduler:
         self._num_pending_forks -= _pending_forks(group)
         seq_ids = [s.seq_id for s in seqs]
         swap = not recompute and self.config.preemption_mode == "swap"
-        if swap and self.kv.num_blocks_of(seq_ids) <= self.kv.num_free_cpu_blocks:
+        if swap and self.kv.can_swap_out(seq_ids):
             mapping = self.kv.swap_out(seq_ids)
             out.blocks_to_swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)

@@ -6,6 +6,10 @@ from dataclasses import dataclass, fields
 from engine.config import EngineConfig, KVAllocatorName, PreemptionMode
 
 
+# Settled by the checkpoint (its defaults without one), never read from an EngineConfig.
+_MODEL_DERIVED = frozenset({"sliding_window", "num_state_slots", "num_state_snapshots", "num_cpu_state_slots"})
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     block_size: int
@@ -21,13 +25,19 @@ class SchedulerConfig:
     # The model's: no layer sees keys further back (0: some layer sees all), so blocks behind it are freed.
     sliding_window: int
     num_speculative_tokens: int = 0  # the most proposed tokens a decode verifies (0: no speculation)
+    # A hybrid model's recurrent state slots (engine/core/state_cache.py): device slots for sequences (0: not
+    # hybrid), for prefix-cache snapshots, and CPU slots for swapped sequences.
+    num_state_slots: int = 0
+    num_state_snapshots: int = 0
+    num_cpu_state_slots: int = 0
 
     @classmethod
     def resolved(cls, config: EngineConfig, **values: int) -> SchedulerConfig:
         """``config``'s scheduling fields, with the resolved ``values`` in place of its own (and of the
         model's, which ``config`` lacks)."""
         spec = config.speculative_config
-        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in values}
+        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in values
+               and f.name not in _MODEL_DERIVED}
         own["num_speculative_tokens"] = spec.num_speculative_tokens if spec is not None else 0
         return cls(**(own | values))
 

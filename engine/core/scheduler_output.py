@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.state_cache import StateMove, StateStep
 from engine.sequence import DraftView, Sequence, SequenceGroup
 
 
@@ -34,6 +35,7 @@ class ScheduledSeq:
     forks: tuple[Sequence, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
     num_accepted: int = 0
+    state: StateStep | None = None  # a hybrid model's state slot (and snapshot to save) this step
 
     def prompt_logprob_positions(self) -> range:
         """This chunk's positions whose logits score the next prompt token (``SamplingParams.prompt_logprobs``):
@@ -82,6 +84,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (cpu block, device block) to copy cpu -> device before the forward pass.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # A hybrid model's state moves (forks, snapshot restores, swaps), in order, before the forward pass.
+    state_moves: list[StateMove] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     # Groups the scheduler finished with FINISHED_ERROR (reason in group.error):
     # they can never run (too long for max_model_len, the token budget or the pool).
@@ -129,4 +133,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.state_moves)

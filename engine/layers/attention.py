@@ -11,6 +11,20 @@ from engine.layers.linear import Shard
 
 
 @dataclass(slots=True)
+class StateMetadata:
+    """A hybrid model's recurrent layers' share of the step, per sequence (cuda_ext/reference_recurrent.py)."""
+
+    slots: torch.Tensor         # [B] int64, the sequence's state slot
+    has_initial: torch.Tensor   # [B] bool, False: its state starts from zeros (its first tokens)
+    save_slots: torch.Tensor    # [B] int64, -1 or the snapshot slot that gets its state after save_offsets rows
+    save_offsets: torch.Tensor  # [B] int64
+
+    def to(self, device: torch.device) -> StateMetadata:
+        return StateMetadata(*(t.to(device, non_blocking=True) for t in (self.slots, self.has_initial,
+                                                                          self.save_slots, self.save_offsets)))
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """The flattened step, as the paged ops want it (built once per step by the runner)."""
 
@@ -20,6 +34,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
     max_seq_len: int
+    state: StateMetadata | None = None  # hybrid models only
 
 
 class PagedAttention(nn.Module):

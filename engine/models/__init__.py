@@ -13,6 +13,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.opt import OPTForCausalLM
+from engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 
 _MOE_TP = "tp shards each expert's intermediate size"
@@ -55,6 +56,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("Qwen3-MoE", {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM},
                 sliding_window="`use_sliding_window` from `max_window_layers` on",
                 moe="softmax, top-k (`norm_topk_prob`), dense `mlp_only_layers`; " + _MOE_TP,
+                unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("Qwen3-Next (hybrid)", {"Qwen3NextForCausalLM": Qwen3NextForCausalLM},
+                sliding_window="Gated DeltaNet layers (`layer_types`): a recurrent state per sequence, no K/V",
+                moe="softmax, top-k (`norm_topk_prob`), sigmoid-gated shared expert; " + _MOE_TP,
+                unquantized=_MOE_UNQUANTIZED),
+    ModelFamily("Qwen3.5 (text, hybrid)", {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+                                           "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM},
+                sliding_window="Gated DeltaNet layers (`layer_types`): a recurrent state per sequence, no K/V",
+                moe="MoE variant: softmax, top-k renormalised, sigmoid-gated shared expert; " + _MOE_TP,
                 unquantized=_MOE_UNQUANTIZED),
     ModelFamily("gpt-oss", {"GptOssForCausalLM": GptOssForCausalLM},
                 sliding_window="alternating sliding / full layers (`layer_types`), attention sinks",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.layer_kv import LayerKV, gemma4_layer_kv, mla_layer_kv, uniform_layer_kv
+from engine.models.layer_state import LinearStateSpec, linear_state_spec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Gemma (and gpt-oss) checkpoints written before transformers listed ``layer_types``: every n-th layer is global,
@@ -33,6 +34,9 @@ class ModelConfig:
     hf: dict  # the raw config.json, for family-specific fields
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: full attention); () = all full
     layer_kv: tuple[LayerKV, ...] = ()  # each layer's K/V shape and source where they differ; () = all alike
+    # A hybrid model's recurrent layers (engine/models/layer_state.py); its K/V layers are then only the
+    # full-attention ones, in order. None: every layer attends.
+    linear_state: LinearStateSpec | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -58,6 +62,7 @@ def read_model_config(path: str) -> ModelConfig:
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     context, windows = context_length(path, hf), _layer_windows(path, hf)
+    linear_state = linear_state_spec(path, hf)
     if max(windows, default=0) > context:
         raise ValueError(f"{path}/config.json: sliding_window={max(windows)} exceeds the context it slides over "
                          f"(max_position_embeddings={context})")
@@ -67,11 +72,17 @@ def read_model_config(path: str) -> ModelConfig:
         head_dim=hf.get("head_dim") or hidden // num_heads, max_position_embeddings=context,
         dtype=_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype") or "float32", torch.float32),
         eos_token_ids=_eos_ids(path, hf), hf=hf, layer_windows=windows,
-        layer_kv=_layer_kv(path, hf, windows))
+        layer_kv=_layer_kv(path, hf, windows, linear_state), linear_state=linear_state)
 
 
-def _layer_kv(path: str, hf: dict, windows: tuple[int, ...]) -> tuple[LayerKV, ...]:
-    """The layers' K/V where they are not all alike: Gemma 4's, and multi-head latent attention's (``kv_lora_rank``)."""
+def _layer_kv(path: str, hf: dict, windows: tuple[int, ...], linear_state: LinearStateSpec | None
+              ) -> tuple[LayerKV, ...]:
+    """The layers' K/V where they are not all alike: Gemma 4's, multi-head latent attention's (``kv_lora_rank``),
+    a hybrid model's (its full-attention layers only)."""
+    if linear_state is not None:
+        heads = hf["num_attention_heads"]
+        return uniform_layer_kv(hf["num_hidden_layers"] - len(linear_state.layers),
+                                hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hf["hidden_size"] // heads)
     if hf.get("model_type") == "gemma4_text":
         return gemma4_layer_kv(path, hf, windows)
     return mla_layer_kv(path, hf) if "kv_lora_rank" in hf else ()

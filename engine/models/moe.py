@@ -133,7 +133,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def routing(self, cfg: ModelConfig) -> Routing:
         key = next((key for key in self.experts_keys if key in cfg.hf), self.experts_keys[0])
-        num_experts, top_k = cfg.hf.get(key) or 0, cfg.hf["num_experts_per_tok"]
+        num_experts, top_k = cfg.hf.get(key) or 0, cfg.hf.get("num_experts_per_tok") or 0
         if num_experts and not 0 < top_k <= num_experts:
             raise ValueError(f"{cfg.path}/config.json: num_experts_per_tok={top_k} must be in [1, {key}={num_experts}]")
         return Routing(num_experts, top_k, renormalize=self.renormalize(cfg.hf),

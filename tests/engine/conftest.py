@@ -26,6 +26,11 @@ def longrope_parameters(rotary_dim: int, **extra) -> dict:
             "long_factor": [1.0 + 8.0 * i / half for i in range(half)], **extra}
 
 
+# The hybrid (linear-attention) families' shared shape.
+_HYBRID = dict(num_key_value_heads=1, head_dim=64, intermediate_size=256, tie_word_embeddings=False,
+               layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
 ARCH_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
                                               rope_theta=10000.0, tie_word_embeddings=False),
@@ -112,6 +117,19 @@ ARCH_CONFIGS = {
                                                     "original_max_position_embeddings": 64, "mscale": 1.0,
                                                     "mscale_all_dim": 0.8},
         tie_word_embeddings=False),
+    # Qwen3-Next: Gated DeltaNet layers (2 key heads, each serving 2 value heads) around one gated full-attention
+    # layer (partial RoPE); layer 0's MLP dense, the others 8 experts top-2 renormalised with a shared expert.
+    "qwen3-next": lambda: transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 3}, **_HYBRID,
+                                                       moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                                       mlp_only_layers=[0]),
+    # Qwen3.5 (dense text): the same layers with the linear projections stored apart.
+    "qwen3.5": lambda: transformers.Qwen3_5TextConfig(**{**COMMON, "num_hidden_layers": 3}, **_HYBRID),
+    # Qwen3.5-MoE: every layer sparse, top-2 always renormalised, a shared expert.
+    "qwen3.5-moe": lambda: transformers.Qwen3_5MoeTextConfig(**{**COMMON, "num_hidden_layers": 3}, **_HYBRID,
+                                                             moe_intermediate_size=64, num_experts=8,
+                                                             num_experts_per_tok=2,
+                                                             shared_expert_intermediate_size=96),
     "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=128, init_std=0.3),
     # opt-350m's shape: post-norm layers and projected embeddings.
     "opt-postnorm": lambda: transformers.OPTConfig(**COMMON, ffn_dim=256, word_embed_proj_dim=64, init_std=0.3,

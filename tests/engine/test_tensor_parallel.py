@@ -43,7 +43,7 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 
 # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
 TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "gemma4", "mixtral", "qwen2-moe", "qwen3-moe",
-            "gpt-oss", "deepseek-v3"]
+            "gpt-oss", "deepseek-v3", "qwen3-next", "qwen3.5"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -95,7 +95,7 @@ def test_model_is_sharded(model):
         intermediate = getattr(hf, "moe_intermediate_size", hf.intermediate_size)
         assert e.w13.shape == (e.w2.shape[0], intermediate, hf.hidden_size)
         assert e.w2.shape[1:] == (hf.hidden_size, intermediate // 2)
-    assert bool(experts) == any(kind in hf.architectures[0] for kind in ("Moe", "Mixtral", "GptOss", "Deepseek"))
+    assert bool(experts) == any(kind in hf.architectures[0] for kind in ("Moe", "Mixtral", "GptOss", "Deepseek", "Next"))
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

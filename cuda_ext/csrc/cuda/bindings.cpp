@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/to.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -244,6 +245,67 @@ at::Tensor masked_row_argmax_cuda(const at::Tensor& logits, const at::Tensor& bi
   return out;
 }
 
+// Gated DeltaNet: the per-sequence metadata on the device in the kernels' types; activations as fp32.
+struct SeqTensors {
+  at::Tensor qsl, slots, initial, saves, save_at;
+  cuda::SeqStates view() const {
+    return {qsl.data_ptr<int32_t>(), slots.data_ptr<int64_t>(), initial.data_ptr<uint8_t>(), saves.data_ptr<int64_t>(),
+            save_at.data_ptr<int64_t>(), static_cast<int>(slots.numel())};
+  }
+};
+
+SeqTensors seq_tensors(const at::Tensor& slots, const at::Tensor& qsl, const at::Tensor& initial,
+                       const at::Tensor& saves, const at::Tensor& save_at, const at::Device& device, const char* op) {
+  const int64_t n = slots.numel();
+  TORCH_CHECK(qsl.numel() == n + 1 && initial.numel() == n && saves.numel() == n && save_at.numel() == n, op,
+              ": slots, has_initial, save_slots, save_offsets need one entry per sequence and query_start_loc one more");
+  auto on = [&](const at::Tensor& t, at::ScalarType type) { return t.to(device, type).contiguous(); };
+  return {on(qsl, at::kInt), on(slots, at::kLong), on(initial, at::kByte), on(saves, at::kLong), on(save_at, at::kLong)};
+}
+
+at::Tensor gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, at::Tensor& states, const at::Tensor& slots,
+                                 const at::Tensor& query_start_loc, const at::Tensor& has_initial,
+                                 const at::Tensor& save_slots, const at::Tensor& save_offsets) {
+  const c10::DeviceGuard guard(q.device());
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
+                  v.size(1) % q.size(1) == 0, "gated_delta_rule: q, k [T, Hk, Dk] and v [T, Hv, Dv] expected");
+  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 4 &&
+                  states.size(1) == v.size(1) && states.size(2) == q.size(2) && states.size(3) == v.size(2),
+              "gated_delta_rule: states must be contiguous fp32 [slots, Hv, Dk, Dv]");
+  TORCH_CHECK(q.size(2) <= cuda::kMaxDeltaKeyDim, "gated_delta_rule: key head dim over ", cuda::kMaxDeltaKeyDim);
+  const auto seqs = seq_tensors(slots, query_start_loc, has_initial, save_slots, save_offsets, q.device(),
+                                "gated_delta_rule");
+  auto f = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const auto qf = f(q), kf = f(k), vf = f(v), gf = f(g), bf = f(beta);
+  auto out = at::empty(vf.sizes(), vf.options());
+  const cuda::DeltaRuleArgs args{seqs.view(), qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
+                                 gf.data_ptr<float>(), bf.data_ptr<float>(), out.data_ptr<float>(),
+                                 states.data_ptr<float>(), static_cast<int>(q.size(1)), static_cast<int>(v.size(1)),
+                                 static_cast<int>(q.size(2)), static_cast<int>(v.size(2))};
+  check_cuda(cuda::gated_delta_rule(args, current_stream(q.device())), "gated_delta_rule");
+  return out.to(v.scalar_type());
+}
+
+at::Tensor causal_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_states,
+                              const at::Tensor& slots, const at::Tensor& query_start_loc, const at::Tensor& has_initial,
+                              const at::Tensor& save_slots, const at::Tensor& save_offsets) {
+  const c10::DeviceGuard guard(x.device());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1),
+              "causal_conv1d: x [T, C] and weight [C, K] expected");
+  TORCH_CHECK(conv_states.is_contiguous() && conv_states.dim() == 3 && conv_states.size(1) == x.size(1) &&
+                  conv_states.size(2) == weight.size(1) - 1 && conv_states.scalar_type() == x.scalar_type(),
+              "causal_conv1d: conv_states must be contiguous [slots, C, K - 1] in x's dtype");
+  const auto seqs = seq_tensors(slots, query_start_loc, has_initial, save_slots, save_offsets, x.device(),
+                                "causal_conv1d");
+  const auto xf = x.to(at::kFloat).contiguous(), wf = weight.to(at::kFloat).contiguous();
+  auto out = at::empty(xf.sizes(), xf.options());
+  const cuda::ConvArgs args{seqs.view(), xf.data_ptr<float>(), wf.data_ptr<float>(), out.data_ptr<float>(),
+                            conv_states.data_ptr(), static_cast<int>(x.size(1)), static_cast<int>(weight.size(1) - 1)};
+  check_cuda(cuda::causal_conv1d(args, dtype_of(x), current_stream(x.device())), "causal_conv1d");
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
@@ -260,6 +322,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("apply_token_bitmask", &apply_token_bitmask_cuda);
   m.impl("masked_row_argmax", &masked_row_argmax_cuda);
   m.impl("fused_moe", &fused_moe);  // ATen ops on the device (cpu/moe.cpp)
+  m.impl("gated_delta_rule", &gated_delta_rule_cuda);
+  m.impl("causal_conv1d", &causal_conv1d_cuda);
 }
 
 }  // namespace pagedserve

@@ -98,6 +98,43 @@ struct TokenBitmaskArgs {
   const int64_t* rows;     // [k], on the device
   int64_t k, n, stride, num_words;
 };
+// Gated DeltaNet over state slots (linear_attention_kernels.cu): per sequence its rows [qsl[i], qsl[i + 1]),
+// its slot, whether the slot's state is its start (else zeros), and a snapshot slot (-1: none) that gets the
+// state after save_at[i] rows. q/k/v/g/beta/out fp32, dense: q and k [T, hk, dk], v and out [T, hv, dv],
+// g and beta [T, hv]; states fp32 [slots, hv, dk, dv].
+struct SeqStates {
+  const int32_t* query_start_loc;
+  const int64_t* slots;
+  const uint8_t* has_initial;
+  const int64_t* save_slots;
+  const int64_t* save_at;
+  int num_seqs;
+};
+
+struct DeltaRuleArgs {
+  SeqStates seqs;
+  const float *q, *k, *v, *g, *beta;
+  float* out;
+  float* states;
+  int hk, hv, dk, dv;
+};
+
+// x and out fp32 [T, channels]; weight fp32 [channels, width + 1]; conv_states [slots, channels, width] in dtype.
+struct ConvArgs {
+  SeqStates seqs;
+  const float* x;
+  const float* weight;
+  float* out;
+  void* conv_states;
+  int channels, width;
+};
+
+// The widest key head and conv window the kernels hold in registers.
+constexpr int kMaxDeltaKeyDim = 256;
+constexpr int kMaxConvWidth = 8;
+
+cudaError_t gated_delta_rule(const DeltaRuleArgs& args, cudaStream_t stream);
+cudaError_t causal_conv1d(const ConvArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t reshape_and_cache(const CacheWriteArgs& args, Dtype dtype, KVCodes codes, cudaStream_t stream);
 cudaError_t copy_blocks(void* pool, const int64_t* mapping, int64_t num_pairs, int64_t row_bytes, cudaStream_t stream);
 cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, KVCodes codes, cudaStream_t stream);
