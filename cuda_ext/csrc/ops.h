@@ -72,6 +72,6 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
-                     double swiglu_alpha, double swiglu_limit);
+                     double swiglu_alpha, double swiglu_limit, c10::string_view activation);
 
 }  // namespace pagedserve
