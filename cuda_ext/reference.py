@@ -12,6 +12,8 @@ one all-layer tensor too). The K/V ops take them as optional trailing arguments;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cuda_ext import reference_recurrent
@@ -177,19 +179,32 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0) -> torch.Tensor:
+              swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0, activation: str = "silu") -> torch.Tensor:
     """Each token's top-k experts, summed under their routing weights: hidden [T, H], w13 [E, 2 * I, H] (each
     expert's gate rows, then its up rows), w2 [E, H, I], topk_ids int64 [T, k], topk_weights [T, k], optional
     biases w13_bias [E, 2 * I] and w2_bias [E, H]. Expert e maps x to act(x @ w13[e].T + w13_bias[e]) @ w2[e].T
-    + w2_bias[e] in hidden's dtype, act silu_and_mul, or with ``swiglu_alpha`` > 0 gpt-oss's clamped SwiGLU
-    (``clamped_swiglu``); the weighted sum is fp32, rounded once."""
+    + w2_bias[e] in hidden's dtype, act ``activation``'s gated form (silu: silu_and_mul, gelu_tanh:
+    gelu_tanh_and_mul), or with ``swiglu_alpha`` > 0 gpt-oss's clamped SwiGLU (``clamped_swiglu``); the weighted
+    sum is fp32, rounded once."""
+    act = expert_activation(activation, swiglu_alpha, swiglu_limit)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for t in range(hidden.shape[0]):
         for e, weight in zip(topk_ids[t].tolist(), topk_weights[t].float()):
             gate_up = add_bias(hidden[t:t + 1] @ w13[e].t(), w13_bias, e)
-            act = clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit) if swiglu_alpha > 0 else silu_and_mul(gate_up)
-            out[t] += weight * add_bias(act @ w2[e].t(), w2_bias, e)[0].float()
+            out[t] += weight * add_bias(act(gate_up) @ w2[e].t(), w2_bias, e)[0].float()
     return out.to(hidden.dtype)
+
+
+def expert_activation(activation: str, swiglu_alpha: float, swiglu_limit: float
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fused_moe's gated activation, refused as the compiled op refuses it."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise RuntimeError(f"fused_moe: activation must be 'silu' or 'gelu_tanh', got '{activation}'")
+    if swiglu_alpha > 0:
+        if activation != "silu":
+            raise RuntimeError(f"fused_moe: the clamped SwiGLU (swiglu_alpha > 0) gates with silu, not {activation}")
+        return lambda x: clamped_swiglu(x, swiglu_alpha, swiglu_limit)
+    return silu_and_mul if activation == "silu" else gelu_tanh_and_mul
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:

@@ -77,6 +77,39 @@ MODELS = {
     "qwen2-0.5b": dict(arch="qwen2", dtype="bfloat16", config=dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)),
+    # The 2026 families at llama-19m's width, each with what sets it apart: gpt-oss's attention sinks, alternating
+    # 128-token windows, YaRN and 8 biased experts top-4 (clamped SwiGLU); DeepSeek-V3's latent attention (one
+    # 128-wide latent head a token), a dense first layer, then 8 experts in 4 groups top-2 plus a shared one;
+    # Gemma 4 (E2B's layout): local / global layers with their own head sizes, per-layer input embeddings, the
+    # last 2 layers reading earlier layers' K/V; and 26B-A4B's: a dense MLP beside 16 GELU-tanh experts top-4 in
+    # every layer, the global layers' values their keys' projection.
+    # transformers runs gpt-oss's sinks in eager attention only (on CPU).
+    "gpt-oss-24m": dict(arch="gpt_oss", dtype="float32", hf_attention="eager", config=dict(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_local_experts=8, num_experts_per_tok=4, sliding_window=128, vocab_size=32000,
+        max_position_embeddings=2048, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                       "original_max_position_embeddings": 64},
+        tie_word_embeddings=False)),
+    "deepseek-v3-20m": dict(arch="deepseek_v3", dtype="float32", config=dict(
+        hidden_size=256, intermediate_size=688, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=64, n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)),
+    # transformers' continuous batching cannot run Gemma 4 (it reads one head_dim for all layers: its
+    # AmbiguousGlobalPerLayerAttributeError), so static batching is its transformers peer.
+    "gemma4-25m": dict(arch="gemma4_text", dtype="float32", hf_continuous=False, config=dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=64, global_head_dim=128, sliding_window=128, layer_types=["sliding_attention"] * 2
+        + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"], num_kv_shared_layers=2,
+        hidden_size_per_layer_input=64, vocab_size_per_layer_input=32000, vocab_size=32000,
+        max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "gemma4-moe-16m": dict(arch="gemma4_text", dtype="float32", hf_continuous=False, config=dict(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=128, vocab_size=32000,
+        max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True)),
 }
 # transformers continuous batching's per-step token budget: pagedserve's max_num_batched_tokens below
 # (measured: 512 to 8192 change its Alpaca-like throughput by under 5%).
@@ -130,9 +163,9 @@ def make_workload(name: str, count: int, vocab: int, seed: int) -> list[Request]
 
 def write_checkpoint(name: str, folder: str, eos_token_id: int | None = None) -> str:
     spec = MODELS[name]
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["arch"]]
     # eos disabled by default: every system must generate the full requested length.
-    config = config_cls(**spec["config"], bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=0)
+    config = transformers.AutoConfig.for_model(spec["arch"], **spec["config"], bos_token_id=None,
+                                               eos_token_id=eos_token_id, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]))
     model.save_pretrained(folder, safe_serialization=True)
@@ -180,7 +213,8 @@ def run_hf_static(model, requests: list[Request], batch_size: int) -> None:
 def hf_continuous_config(requests: list[Request], page_size: int, max_batch_tokens: int):
     """transformers' continuous batching sized for this workload: a KV cache of exactly enough pages for every
     request's prompt + output at once (its defaults size the cache from GPU memory), all requests in one batch,
-    and the attention implementation kept as loaded (sdpa) rather than switched automatically."""
+    and the attention implementation kept as loaded (sdpa; eager where transformers has no other on CPU) rather
+    than switched automatically."""
     from transformers import ContinuousBatchingConfig
 
     pages = sum(-(-(len(r.prompt) + r.output_len) // page_size) for r in requests)
@@ -267,7 +301,7 @@ def measure_hf_static(hf_model, requests: list[Request], args) -> Measured:
         print(f"   (hf-static batch {b}: {tokens / runs[b][0]:.1f} tok/s)", flush=True)
     best = min(runs, key=lambda b: runs[b][0])
     return Measured(runs[best], f"best batch size {best} of {args.batch_sizes}",
-                    dict(batch_size=best, attn_implementation="sdpa", left_padding=True,
+                    dict(batch_size=best, attn_implementation=hf_model.config._attn_implementation, left_padding=True,
                          tried_tok_s={b: round(tokens / w, 1) for b, (w, _) in runs.items()}))
 
 
@@ -282,16 +316,16 @@ def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
                   f"{tokens / runs[threads, page_size][0]:.1f} tok/s)", flush=True)
     torch.set_num_threads(args.threads)
     best_threads, best = min(runs, key=lambda key: runs[key][0])
-    config = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS)
+    config, attn = hf_continuous_config(requests, best, HF_MAX_BATCH_TOKENS), hf_model.config._attn_implementation
     return Measured(runs[best_threads, best],
                     f"best of threads {args.hf_threads} x page sizes {args.hf_page_sizes}: {best_threads} threads, "
                     f"page size {best}; num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
-                    f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, sdpa, "
+                    f"max_requests_per_batch={config.max_requests_per_batch}, auto_switch_to_flash=False, {attn}, "
                     "warmed up",
                     dict(threads=best_threads, page_size=best, num_blocks=config.num_blocks,
                          max_batch_tokens=config.max_batch_tokens,
                          max_requests_per_batch=config.max_requests_per_batch, auto_switch_to_flash=False,
-                         attn_implementation="sdpa", warmed_up=True,
+                         attn_implementation=attn, warmed_up=True,
                          tried_tok_s={f"{t} threads, page {p}": round(tokens / w, 1)
                                       for (t, p), (w, _) in runs.items()}))
 
@@ -338,7 +372,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
         hf_model = None
         if not (args.skip_hf_static and args.skip_hf_continuous):
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, MODELS[name]["dtype"]), attn_implementation="sdpa").to(args.device).eval()
+                path, dtype=getattr(torch, MODELS[name]["dtype"]),
+                attn_implementation=MODELS[name].get("hf_attention", "sdpa")).to(args.device).eval()
         peer = None
         if args.llama_cpp:
             from loadtest.llama_cpp_peer import LlamaCppPeer, write_gguf
@@ -361,7 +396,7 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 systems["pagedserve-async"] = lambda: measure_pagedserve(path, requests, args, async_scheduling=True)
             if not args.skip_hf_static:
                 systems["hf-static"] = lambda: measure_hf_static(hf_model, requests, args)
-            if not args.skip_hf_continuous:
+            if not args.skip_hf_continuous and MODELS[name].get("hf_continuous", True):
                 systems["hf-continuous"] = lambda: measure_hf_continuous(hf_model, requests, args)
             if peer is not None:
                 systems["llama-cpp"] = lambda: measure_llama_cpp(peer, requests, args)

@@ -28,8 +28,8 @@ HEADER = ("| family | `architectures` | sliding window | MoE | tested token-exac
           "| tensor parallel | quantized weights | benchmarked shapes |\n|---|---|---|---|---|---|---|---|")
 
 
-def architecture(config: transformers.PretrainedConfig) -> str:
-    return transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+def architecture(model_type: str) -> str:
+    return transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def parameters(config: transformers.PretrainedConfig) -> str:
@@ -61,10 +61,10 @@ def quantization(names: list[str]) -> str:
 def render() -> str:
     tested: dict[str, list[str]] = {}
     for name, make in ARCH_CONFIGS.items():
-        tested.setdefault(architecture(make()), []).append(name)
+        tested.setdefault(architecture(make().model_type), []).append(name)
     benchmarked: dict[str, list[str]] = {}
     for name, spec in MODELS.items():
-        benchmarked.setdefault(f"{spec['arch'].capitalize()}ForCausalLM", []).append(name)
+        benchmarked.setdefault(architecture(spec["arch"]), []).append(name)
     return "\n".join([HEADER, *(row(family, tested, benchmarked) for family in FAMILIES)])
 
 

@@ -72,7 +72,7 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
-                     double swiglu_alpha, double swiglu_limit);
+                     double swiglu_alpha, double swiglu_limit, c10::string_view activation);
 
 // Gated DeltaNet's state-carrying ops over per-sequence state slots (cpu/linear_attention.cpp).
 at::Tensor gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

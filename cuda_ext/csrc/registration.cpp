@@ -32,10 +32,10 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, int max_seq_len, "
         "float eps, float scale, int sliding_window=0, Tensor(d!)? key_scale=None, Tensor(e!)? value_scale=None) "
         "-> Tensor");
-  // Each token's top-k experts' SiLU-gated MLPs, summed under their routing weights (cpu/moe.cpp).
-  // Optional expert biases and gpt-oss's clamped SwiGLU (swiglu_alpha > 0; 0: SiLU-and-mul).
+  // Each token's top-k experts' gated MLPs, summed under their routing weights (cpu/moe.cpp). The gate's
+  // activation: silu or gelu_tanh (Gemma 4); optional expert biases and gpt-oss's clamped SwiGLU (swiglu_alpha > 0).
   m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, Tensor? w13_bias=None, "
-        "Tensor? w2_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
+        "Tensor? w2_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0, str activation=\"silu\") -> Tensor");
   // Gated DeltaNet over per-sequence state slots, updated in place (cpu/linear_attention.cpp).
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, Tensor slots, "
         "Tensor query_start_loc, Tensor has_initial, Tensor save_slots, Tensor save_offsets) -> Tensor");

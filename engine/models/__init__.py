@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from engine.models.gemma4 import Gemma4ForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -44,8 +44,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="alternating local / global layers"),
     ModelFamily("Gemma 3 (text)", {"Gemma3ForCausalLM": Gemma3ForCausalLM},
                 sliding_window="5 local : 1 global (`layer_types`)"),
-    ModelFamily("Gemma 4 (text)", {"Gemma4ForCausalLM": Gemma4ForCausalLM},
-                sliding_window="`layer_types`; KV shared by the last `num_kv_shared_layers`"),
+    ModelFamily("Gemma 4 (text; the multimodal checkpoints' text model)",
+                {"Gemma4ForCausalLM": Gemma4ForCausalLM,
+                 "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration},
+                sliding_window="`layer_types`; KV shared by the last `num_kv_shared_layers`",
+                moe="`enable_moe_block`: softmax top-k renormalised, per-expert scales, GELU-tanh experts beside the "
+                    "dense MLP; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),
     ModelFamily("Mixtral", {"MixtralForCausalLM": MixtralForCausalLM},
                 sliding_window="`sliding_window`, every layer",
                 moe="softmax, top-k renormalised; " + _MOE_TP, unquantized=_MOE_UNQUANTIZED),

@@ -14,6 +14,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Gemma (and gpt-oss) checkpoints written before transformers listed ``layer_types``: every n-th layer is global,
 # the others slide (Gemma 3 may say its n as ``sliding_window_pattern``).
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma4_text": 6, "gpt_oss": 2}
+# A multimodal checkpoint's top-level settings that hold for its text model too (transformers ties the LM head by
+# the top level's tie_word_embeddings).
+_MULTIMODAL_TOP_LEVEL = ("architectures", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")
 # Where model families keep their context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -122,11 +125,14 @@ def context_length(path: str, hf: dict | None = None) -> int:
 
 
 def _read_config_json(path: str) -> dict:
+    """config.json; a multimodal checkpoint's (``text_config``) as its text model's settings."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
     with open(config_file, encoding="utf-8") as f:
-        return json.load(f)
+        hf = json.load(f)
+    text = hf.get("text_config")
+    return text | {key: hf[key] for key in _MULTIMODAL_TOP_LEVEL if key in hf} if isinstance(text, dict) else hf
 
 
 def _eos_ids(path: str, hf: dict) -> list[int]:

@@ -2,8 +2,10 @@
 embeddings scaled by sqrt(hidden_size), final logit soft-capping). New here: Gemma 4's weighted RMSNorm, q/k norms
 and an unweighted value norm with attention scale 1; global layers with their own head size, proportional RoPE
 and (``attention_k_eq_v``) values taken from the key projection; per-layer input embeddings added after each
-layer's MLP; a learned per-layer output scale; and cross-layer KV sharing: the last ``num_kv_shared_layers``
-layers attend over an earlier layer's blocks (engine/models/layer_kv.py) and compute no K/V of their own."""
+layer's MLP; a learned per-layer output scale; cross-layer KV sharing: the last ``num_kv_shared_layers``
+layers attend over an earlier layer's blocks (engine/models/layer_kv.py) and compute no K/V of their own; and
+(``enable_moe_block``, Gemma 4 26B-A4B) a sparse MoE beside every layer's dense MLP: routed from the residual
+stream, its GELU-tanh experts run through ``fused_moe``, both outputs normalised apart, then summed."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +22,7 @@ from engine.layers.vocab_parallel import VocabParallelEmbedding
 from engine.models.config import ModelConfig
 from engine.models.gemma import Gemma2ForCausalLM, check_runnable, in_dtype
 from engine.models.llama import LlamaMLP
+from engine.models.moe import Router, Routing, StackedExperts
 
 
 class Gemma4Attention(nn.Module):
@@ -65,7 +68,26 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, self.v_norm(v), meta))
 
 
+class Gemma4Router(nn.Module):
+    """Scores the residual stream: normalised without a weight, scaled by ``scale`` / sqrt(hidden_size); a
+    softmax, the top k renormalised, each weight then times its expert's ``per_expert_scale``."""
+
+    def __init__(self, cfg: ModelConfig, routing: Routing) -> None:
+        super().__init__()
+        self.routing, self.root = routing, cfg.hidden_size ** -0.5
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"], scaled=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.proj = Router(cfg.hidden_size, routing.num_experts)
+        self.per_expert_scale = nn.Parameter(torch.ones(routing.num_experts), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.routing.route(self.proj(self.norm(h) * self.scale * self.root))
+        return weights * self.per_expert_scale[ids], ids
+
+
 class Gemma4DecoderLayer(nn.Module):
+    """Module names as transformers': the MoE's (router, experts, the extra norms) sit on the layer itself."""
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         eps, size, hf = cfg.hf["rms_norm_eps"], cfg.hidden_size, cfg.hf
@@ -77,6 +99,15 @@ class Gemma4DecoderLayer(nn.Module):
         wide = 2 if hf.get("use_double_wide_mlp") and cfg.kv_layers()[layer].source != layer else 1
         self.mlp = LlamaMLP(cfg, tp, GeluTanhAndMul, hf["intermediate_size"] * wide)
         self.post_feedforward_layernorm = Gemma4RMSNorm(size, eps)
+        self.has_moe = bool(hf.get("enable_moe_block"))
+        if self.has_moe:
+            self.router = Gemma4Router(cfg, Routing(hf["num_experts"], hf["top_k_experts"], renormalize=True,
+                                                    weights_in_model_dtype=False))
+            self.experts = StackedExperts(hf["num_experts"], size, hf["moe_intermediate_size"],
+                                          "moe_intermediate_size", tp, activation="gelu_tanh")
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(size, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(size, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(size, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         per_layer = hf.get("hidden_size_per_layer_input") or 0
         self.has_per_layer_input = bool(per_layer)
@@ -88,11 +119,20 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, rope: RopeStep, h: torch.Tensor, per_layer_input: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(h), meta))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(self.feed_forward(h))
         if per_layer_input is not None:  # the layer's per-layer input, gated by the residual stream
             gate = F.gelu(self.per_layer_input_gate(h), approximate="tanh")
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
         return h * self.layer_scalar
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The dense MLP's output; with the MoE, it and the experts' (routed from ``h``), each normalised, summed."""
+        dense = self.mlp(self.pre_feedforward_layernorm(h))
+        if not self.has_moe:
+            return dense
+        weights, ids = self.router(h)
+        routed = self.experts(self.pre_feedforward_layernorm_2(h), weights, ids)
+        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)
 
 
 class Gemma4Model(nn.Module):
@@ -132,10 +172,29 @@ class Gemma4Model(nn.Module):
 
 
 class Gemma4ForCausalLM(Gemma2ForCausalLM):
+    checkpoint_renames = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
+
     def build_model(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
         _check_config(cfg)
+        # fused_moe sizes its expert groups on the host: no CUDA graphs.
+        self.graph_capturable = not cfg.hf.get("enable_moe_block")
         rotaries, layer_rope = _rotaries(cfg, device, dtype)
         return Gemma4Model(cfg, rotaries, layer_rope, tp, dtype)
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """The hub's multimodal Gemma 4 checkpoints run as text models: config.json's ``text_config`` (read as the
+    model's settings: engine/models/config.py), the language model's weights from under
+    ``model.language_model``; the vision and audio towers' weights left unread."""
+
+    checkpoint_renames = {"model.language_model.": "model.", **Gemma4ForCausalLM.checkpoint_renames}
+
+    @staticmethod
+    def unused_checkpoint_weight(name: str) -> bool:
+        return name.startswith(_MULTIMODAL_PARTS)
+
+
+_MULTIMODAL_PARTS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def _rotaries(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[list[RotaryEmbedding], list[int]]:
@@ -160,7 +219,18 @@ def _check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.path}/config.json: vocab_size_per_layer_input={hf.get('vocab_size_per_layer_input')} "
                          f"must cover the vocabulary (vocab_size={cfg.vocab_size})")
     if hf.get("enable_moe_block"):
-        raise ValueError(f"{cfg.path}/config.json: enable_moe_block is not supported yet (dense Gemma 4 only)")
+        _check_moe(cfg.path, hf)
+
+
+def _check_moe(path: str, hf: dict) -> None:
+    for field in ("num_experts", "moe_intermediate_size"):
+        value = hf.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}/config.json: enable_moe_block needs {field} a positive integer, got {value!r}")
+    top_k = hf.get("top_k_experts")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 < top_k <= hf["num_experts"]:
+        raise ValueError(f"{path}/config.json: top_k_experts={top_k!r} must be an integer in "
+                         f"[1, num_experts={hf['num_experts']}]")
 
 
 def _windows(cfg: ModelConfig) -> tuple[int, ...]:

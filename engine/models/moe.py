@@ -59,12 +59,12 @@ class FusedExperts(nn.Module):
     gate rows, then of the up rows), w2 [E, H, I / tp]. Filled from per-expert checkpoint tensors
     (``...experts.{e}.{part}.weight``: the loader's ``expert_parts``), the layout transformers writes. gpt-oss
     (engine/models/gpt_oss.py) adds biases, w13_bias [E, 2 * I / tp] and w2_bias [E, H], and its clamped SwiGLU
-    (``swiglu``: its alpha and limit; (0, 0): SiLU-and-mul)."""
+    (``swiglu``: its alpha and limit; (0, 0): the plain gated ``activation``, silu or Gemma 4's gelu_tanh)."""
 
     ops: cuda_ext.KernelOps = cuda_ext.load_ops("torch")  # the loader hands over the compiled ops
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, field: str, tp: TensorParallel,
-                 bias: bool = False, swiglu: tuple[float, float] = (0.0, 0.0)) -> None:
+                 bias: bool = False, swiglu: tuple[float, float] = (0.0, 0.0), activation: str = "silu") -> None:
         super().__init__()
         self.local = tp.shard(intermediate, field)
         self.tp = tp
@@ -72,7 +72,7 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.local), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if bias else None
-        self.swiglu = swiglu
+        self.swiglu, self.activation = swiglu, activation
 
     def checkpoint_shard(self, param: str, part: tuple[int, int]) -> Shard:
         """Expert ``part[0]``'s gate (part[1] 0) or up (1) rows of w13, or its columns of w2: this rank's slice."""
@@ -87,7 +87,19 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.ops.fused_moe(x, self.w13, self.w2, ids, weights, self.w13_bias, self.w2_bias,
-                                                     *self.swiglu))
+                                                     *self.swiglu, activation=self.activation))
+
+
+class StackedExperts(FusedExperts):
+    """FusedExperts read from transformers 5's stacked tensors: ``gate_up_proj`` [E, 2 * I, H] (every gate row,
+    then every up row) and ``down_proj`` [E, H, I], this rank's slices only."""
+
+    def fused_checkpoint_shards(self, param: str) -> list[Shard]:
+        total, start = self.local * self.tp.size, self.tp.rank * self.local
+        if param == "w2":
+            return [Shard(dim=2, total=total, start=start, size=self.local)]
+        return [Shard(dim=1, total=2 * total, start=half * total + start, size=self.local,
+                      dest_start=half * self.local) for half in (0, 1)]
 
 
 class SparseMoeBlock(nn.Module):

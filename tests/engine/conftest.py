@@ -66,6 +66,14 @@ ARCH_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2, use_double_wide_mlp=True,
         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=10.0,
         tie_word_embeddings=False),
+    # Gemma 4's MoE (26B-A4B's shape): every layer's dense MLP beside 8 GELU-tanh experts, top-2, routed from the
+    # residual stream; no per-layer inputs, no KV sharing.
+    "gemma4-moe": lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=1, head_dim=64, global_head_dim=128,
+        num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=128, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+        final_logit_softcapping=10.0, tie_word_embeddings=False),
     # YaRN past its original context of 64: the scaling is static, so the engine is exact at every length.
     "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=1, intermediate_size=256,
                                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
@@ -159,11 +167,13 @@ def build_checkpoint(arch: str, folder, shard: bool = False, config: transformer
 
 @torch.no_grad()
 def _draw_zero_norms(model: transformers.PreTrainedModel) -> None:
-    """Gemma's norms scale by 1 + weight, initialised to 0, Gemma 4's by weight and a per-layer scalar,
-    initialised to 1: drawn at random instead (around that start), so their weights count."""
+    """Gemma's norms scale by 1 + weight, initialised to 0, Gemma 4's by weight and a per-layer scalar (its
+    router by a scale and per-expert scales), initialised to 1: drawn at random instead (around that start), so
+    their weights count."""
     start = 1.0 if model.config.model_type == "gemma4_text" else 0.0
     for name, param in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(("norm.weight", "layer_scalar")) and not (param - start).any():
+        if name.endswith(("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")) and not (
+                param - start).any():
             param.normal_(start, 0.5)
 
 

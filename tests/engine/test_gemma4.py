@@ -1,24 +1,32 @@
 """Gemma 4 beyond the shared equivalence scenarios (tests/engine/test_hf_equivalence.py runs ARCH_CONFIGS["gemma4"]
-in every one): forks and beams against transformers, the pool's room for shared layers, its RoPE against
-transformers', and the configs refused at load (its norms: tests/engine/test_gemma.py)."""
+and ["gemma4-moe"] in every one): forks and beams against transformers, the pool's room for shared layers, its RoPE
+against transformers', --quantization int8 with the MoE, and the configs refused at load (its norms:
+tests/engine/test_gemma.py)."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from engine import SamplingParams
 from engine.distributed.parallel_state import TensorParallel
+from engine.layers.linear import Linear
 from engine.layers.rotary import rope_config, rope_inv_freq
 from engine.models.config import read_model_config
 from engine.models.gemma4 import Gemma4ForCausalLM
-from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, build_checkpoint, hf_greedy, mixed_prompts
+from engine.models.moe import Router, StackedExperts
+from loadtest.quant_quality import dequantized_copy
+from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, Checkpoint, build_checkpoint, hf_greedy, mixed_prompts
 from .test_beam_search import check_against_hf, make_llm as beam_llm
 from .test_gemma import write_config
-from .test_hf_equivalence import SCENARIOS, make_llm
+from .test_hf_equivalence import SCENARIOS, generate, make_llm
 
 ARCH = "Gemma4ForCausalLM"
+PROMPTS = mixed_prompts(6)
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +34,80 @@ def gemma4(tmp_path_factory):
     return build_checkpoint("gemma4", tmp_path_factory.mktemp("gemma4"))
 
 
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    return build_checkpoint("gemma4-moe", tmp_path_factory.mktemp("gemma4-moe"))
+
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4-moe"])
+def multimodal(request, tmp_path_factory) -> tuple[Checkpoint, list[list[int]]]:
+    """A Gemma4ForConditionalGeneration checkpoint as the hub ships them (the text model under
+    model.language_model, its settings under text_config, a tiny vision tower beside it, the LM head tied by the
+    top level's tie_word_embeddings: the text config's says false), and its greedy outputs for PROMPTS."""
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=ARCH_CONFIGS[request.param](), vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # drawn around their start of 1, as conftest draws the text models' (so they count)
+        for name, param in model.model.language_model.named_parameters():
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                param.normal_(1.0, 0.5)
+        for layer in model.model.language_model.layers:
+            layer.layer_scalar.normal_(1.0, 0.5)
+    folder = tmp_path_factory.mktemp(f"{request.param}-multimodal")
+    model.save_pretrained(folder)
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    return Checkpoint(str(folder), model), [hf_greedy(model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("scenario", ["plain", "chunked"])
+def test_multimodal_checkpoints_text_model_matches_transformers(multimodal, scenario):
+    checkpoint, reference = multimodal
+    llm = make_llm(checkpoint.path, "torch", **SCENARIOS[scenario])
+    assert type(llm.engine.runner.model).__name__ == "Gemma4ForConditionalGeneration"
+    assert generate(llm, PROMPTS) == reference
+
+
+def test_multimodal_checkpoint_lacking_a_text_weight_fails_at_load(multimodal, tmp_path):
+    path = multimodal[0].path
+    weights = load_file(f"{path}/model.safetensors")
+    del weights["model.language_model.layers.1.self_attn.o_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    shutil.copy(f"{path}/config.json", tmp_path)
+    with pytest.raises(ValueError, match="lacks weights for: model.layers.1.self_attn.o_proj.weight"):
+        make_llm(str(tmp_path), "torch")
+
+
 @pytest.mark.parametrize("scenario", ["plain", "swap"])
-def test_greedy_forks_match_transformers(gemma4, scenario):
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4_moe"])
+def test_greedy_forks_match_transformers(request, arch, scenario):
     """n = 3 greedy choices share the prompt's blocks (the shared layers reading them too) and copy the last on
     write; each equals transformers' greedy run."""
+    checkpoint = request.getfixturevalue(arch)
     prompts = mixed_prompts(6)
-    llm = make_llm(gemma4.path, "torch", **SCENARIOS[scenario])
+    llm = make_llm(checkpoint.path, "torch", **SCENARIOS[scenario])
     params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert [c.token_ids for c in output.outputs] == [hf_greedy(gemma4.hf_model, prompt, MAX_NEW_TOKENS)] * 3
+        assert [c.token_ids for c in output.outputs] == [hf_greedy(checkpoint.hf_model, prompt, MAX_NEW_TOKENS)] * 3
+
+
+def test_moe_quantization_flag_int8(gemma4_moe):
+    """--quantization int8: attention, the dense MLP and the LM head per-channel int8; the router and the experts
+    as they were (transformers' router projection is a linear layer, so the dequantised reference gets it back);
+    greedy equal to transformers on those weights."""
+    llm = make_llm(gemma4_moe.path, "ext", quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert len(experts) == 4 and all(m.w13.dtype == torch.float32 and m.activation == "gelu_tanh" for m in experts)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all((m.weight_scale is None) == isinstance(m, Router) for m in linears)
+    reference = dequantized_copy(gemma4_moe.hf_model, "int8")
+    for quantized, original in zip(reference.model.layers, gemma4_moe.hf_model.model.layers):
+        quantized.router.proj.weight = original.router.proj.weight
+    prompts = mixed_prompts(6)
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
 
 
 def test_beam_search_matches_transformers(gemma4):
@@ -81,6 +153,20 @@ def test_proportional_rope_as_transformers():
 ])
 def test_configs_the_engine_cannot_run_fail_at_load(tmp_path, extra, match):
     path = write_config(tmp_path, ARCH_CONFIGS["gemma4"](), ARCH, **extra)
+    with pytest.raises(ValueError, match=match):
+        Gemma4ForCausalLM(read_model_config(path), torch.device("cpu"), torch.float32, TensorParallel())
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"num_experts": None}, "enable_moe_block needs num_experts a positive integer, got None"),
+    ({"num_experts": 0}, "enable_moe_block needs num_experts a positive integer, got 0"),
+    ({"moe_intermediate_size": "32"}, "enable_moe_block needs moe_intermediate_size a positive integer, got '32'"),
+    ({"top_k_experts": 9}, r"top_k_experts=9 must be an integer in \[1, num_experts=8\]"),
+    ({"top_k_experts": None}, r"top_k_experts=None must be an integer in \[1, num_experts=8\]"),
+    ({"hidden_activation": "gelu"}, "unsupported hidden_activation 'gelu'"),
+])
+def test_moe_configs_the_engine_cannot_run_fail_at_load(tmp_path, extra, match):
+    path = write_config(tmp_path, ARCH_CONFIGS["gemma4-moe"](), ARCH, **extra)
     with pytest.raises(ValueError, match=match):
         Gemma4ForCausalLM(read_model_config(path), torch.device("cpu"), torch.float32, TensorParallel())
 

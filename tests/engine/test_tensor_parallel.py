@@ -42,8 +42,8 @@ ENGINE = dict(dtype="float32", num_device_blocks=64, num_cpu_blocks=16, num_thre
 
 
 # ARCH_CONFIGS entries run at tp=2 (the README's model table reads it).
-TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "gemma4", "mixtral", "qwen2-moe", "qwen3-moe",
-            "gpt-oss", "deepseek-v3", "qwen3-next", "qwen3.5"]
+TP_ARCHS = ["llama", "qwen2", "qwen3", "opt", "phi3", "gemma2", "gemma3", "gemma4", "gemma4-moe", "mixtral", "qwen2-moe",
+            "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3-next", "qwen3.5"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -95,7 +95,8 @@ def test_model_is_sharded(model):
         intermediate = getattr(hf, "moe_intermediate_size", hf.intermediate_size)
         assert e.w13.shape == (e.w2.shape[0], intermediate, hf.hidden_size)
         assert e.w2.shape[1:] == (hf.hidden_size, intermediate // 2)
-    assert bool(experts) == any(kind in hf.architectures[0] for kind in ("Moe", "Mixtral", "GptOss", "Deepseek", "Next"))
+    moe = any(kind in hf.architectures[0] for kind in ("Moe", "Mixtral", "GptOss", "Deepseek", "Next"))
+    assert bool(experts) == (moe or getattr(hf, "enable_moe_block", False))
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -220,7 +221,8 @@ def test_shapes_that_do_not_divide_fail_at_load(tmp_path):
         LLM(checkpoint.path, skip_tokenizer_init=True, tensor_parallel_size=3, **ENGINE)
 
 
-@pytest.mark.parametrize("arch, field", [("mixtral", "intermediate_size"), ("qwen3-moe", "moe_intermediate_size")])
+@pytest.mark.parametrize("arch, field", [("mixtral", "intermediate_size"), ("qwen3-moe", "moe_intermediate_size"),
+                                         ("gemma4-moe", "moe_intermediate_size")])
 def test_expert_size_that_does_not_divide_fails_at_load(tmp_path, arch, field):
     config = ARCH_CONFIGS[arch]()
     setattr(config, field, 65)

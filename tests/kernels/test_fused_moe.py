@@ -28,11 +28,11 @@ def moe_inputs(tokens: int, experts: int, k: int, seed: int, dtype: torch.dtype,
     return (*(t.to(dtype=dtype, device=device) for t in (hidden, w13, w2)), ids.to(device), weights.to(device))
 
 
-def dense_moe(hidden, w13, w2, ids, weights) -> torch.Tensor:
+def dense_moe(hidden, w13, w2, ids, weights, gate_fn=torch.nn.functional.silu) -> torch.Tensor:
     """Every expert on every token in fp32, each output scaled by the token's weight for it (0: not routed)."""
     gate_up = torch.einsum("th,eih->eti", hidden.float(), w13.float())
     gate, up = gate_up.chunk(2, dim=-1)
-    outs = torch.einsum("eti,ehi->eth", torch.nn.functional.silu(gate) * up, w2.float())
+    outs = torch.einsum("eti,ehi->eth", gate_fn(gate) * up, w2.float())
     share = torch.zeros(hidden.shape[0], w13.shape[0], device=hidden.device).scatter_(1, ids, weights.float())
     return torch.einsum("te,eth->th", share, outs)
 
@@ -61,6 +61,40 @@ def test_matches_reference(ext_ops, device, dtype, tokens, experts, k, idle):
     assert got.dtype == dtype and got.shape == (tokens, HIDDEN)
     # fp32: the GEMMs' sum order; bf16: their inputs rounded at the same points, the sums one rounding apart.
     assert relative_error(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -8)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's experts' gate (transformers' gelu_pytorch_tanh)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(1, 8, 2), (37, 8, 4), (64, 16, 4)])
+def test_reference_gelu_tanh_matches_dense_formula(tokens, experts, k):
+    inputs = moe_inputs(tokens, experts, k, seed=tokens + 1, dtype=torch.float32, device="cpu")
+    got = reference.fused_moe(*inputs, activation="gelu_tanh")
+    assert relative_error(got, dense_moe(*inputs, gate_fn=gelu_tanh)) <= 1e-5
+    assert relative_error(got, reference.fused_moe(*inputs)) > 1e-2  # not SiLU's
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, k, idle", [(1, 8, 2, ()), (64, 16, 4, (2, 9, 15))])
+def test_gelu_tanh_matches_reference(ext_ops, device, dtype, tokens, experts, k, idle):
+    inputs = moe_inputs(tokens, experts, k, seed=tokens + experts, dtype=dtype, device=device, idle=idle)
+    with torch.inference_mode():
+        got = ext_ops.fused_moe(*inputs, activation="gelu_tanh")
+    want = reference.fused_moe(*inputs, activation="gelu_tanh")
+    assert relative_error(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -8)
+
+
+@pytest.mark.parametrize("fused_moe", ["reference", "compiled"])
+def test_rejects_unknown_activations(ext_ops, fused_moe):
+    op = reference.fused_moe if fused_moe == "reference" else ext_ops.fused_moe
+    inputs = moe_inputs(3, 4, 2, seed=0, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="activation must be 'silu' or 'gelu_tanh', got 'relu'"):
+        op(*inputs, activation="relu")
+    with pytest.raises(RuntimeError, match="clamped SwiGLU .* gates with silu, not gelu_tanh"):
+        op(*inputs, swiglu_alpha=1.702, swiglu_limit=7.0, activation="gelu_tanh")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,7 +1,7 @@
 // fused_moe: a sparse MoE block's experts as grouped GEMMs. The tokens x top-k (token, expert) pairs are sorted
 // by expert, so each expert's tokens form one contiguous group: the rows are gathered once, each group goes
-// through its expert's gate|up projection as one GEMM, one SiLU-and-mul (or gpt-oss's clamped SwiGLU) runs over
-// all groups, then one GEMM per group through its down projection (each GEMM with the expert's bias, where given);
+// through its expert's gate|up projection as one GEMM, one gated activation (SiLU-and-mul, Gemma's GELU-tanh-and-mul
+// or gpt-oss's clamped SwiGLU) runs over all groups, then one GEMM per group through its down projection (each GEMM with the expert's bias, where given);
 // each token's k outputs are summed, weighted, in fp32 and rounded once.
 //
 // ATen ops only, so the one function serves CPU and CUDA tensors. On the CPU the pairs are counting-sorted here
@@ -107,12 +107,13 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& weights, const c10:
   return out;
 }
 
-// The registered silu_and_mul of x's device (csrc/cpu/layer_ops.cpp, csrc/cuda/layer_kernels.cu).
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pagedserve::silu_and_mul", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
-  return op.call(x);
+// The registered act_and_mul op ``name`` (silu_and_mul, gelu_tanh_and_mul) of x's device (csrc/cpu/layer_ops.cpp,
+// csrc/cuda/layer_kernels.cu).
+at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow(name, "")
+      .typed<at::Tensor(const at::Tensor&)>()
+      .call(x);
 }
 
 // gpt-oss's expert activation on x = [gate | up]: g = min(gate, limit), u = clamp(up, -limit, limit),
@@ -123,12 +124,24 @@ at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
   return at::mul(at::add(up, 1), at::mul(gate, at::sigmoid(at::mul(gate, alpha))));
 }
 
+// The experts' gated activation on x = [gate | up]: ``activation`` names the gate's function (silu, gelu_tanh);
+// swiglu_alpha > 0 picks gpt-oss's clamped form of SiLU.
+at::Tensor expert_activation(const at::Tensor& x, c10::string_view activation, double swiglu_alpha,
+                             double swiglu_limit) {
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+              "fused_moe: activation must be 'silu' or 'gelu_tanh', got '", activation, "'");
+  TORCH_CHECK(swiglu_alpha <= 0 || activation == "silu", "fused_moe: the clamped SwiGLU (swiglu_alpha > 0) gates with "
+              "silu, not ", activation);
+  if (swiglu_alpha > 0) return clamped_swiglu(x, swiglu_alpha, swiglu_limit);
+  return act_and_mul(x, activation == "silu" ? "pagedserve::silu_and_mul" : "pagedserve::gelu_tanh_and_mul");
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
-                     double swiglu_alpha, double swiglu_limit) {
+                     double swiglu_alpha, double swiglu_limit, c10::string_view activation) {
   check_fused_moe(hidden, w13, w2, topk_ids, topk_weights);
   check_bias(w13_bias, w13, "w13_bias");
   check_bias(w2_bias, w2, "w2_bias");
@@ -137,7 +150,7 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::
   const auto [order, offsets] = group_by_expert(topk_ids, w13.size(0));
   const at::Tensor x = hidden.index_select(0, at::floor_divide(order, k));  // pair p's token is p / k
   const at::Tensor gate_up = grouped_mm(x, w13, w13_bias, offsets);
-  const at::Tensor act = swiglu_alpha > 0 ? clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit) : silu_and_mul(gate_up);
+  const at::Tensor act = expert_activation(gate_up, activation, swiglu_alpha, swiglu_limit);
   const at::Tensor down = grouped_mm(act, w2, w2_bias, offsets);
   // Back in pair order ([tokens, k, hidden]), then each token's k outputs summed under their weights.
   const at::Tensor pairs = at::empty_like(down).index_copy_(0, order, down).view({tokens, k, hidden.size(1)});
