@@ -10,22 +10,30 @@ import torch.nn.functional as F
 import transformers
 
 from cuda_ext import reference
+from engine import int4
 from engine.quantization import LOAD_SCHEMES, dequantize, quantize
 
 
-def dequantized_copy(model: transformers.PreTrainedModel, scheme: str) -> transformers.PreTrainedModel:
+def dequantized_copy(model: transformers.PreTrainedModel, scheme: str, group_size: int = 128
+                     ) -> transformers.PreTrainedModel:
     """``model`` with every linear weight (the LM head too, as ``--quantization`` does, but for ``w8a8``)
-    replaced by its per-output-channel quantized-then-dequantised value; ``w8a8``: every linear layer but the LM
-    head also rounds its input to the per-row int8 grid."""
+    replaced by its quantized-then-dequantised value (per output channel; int4 per group of ``group_size``
+    input columns); ``w8a8``: every linear layer but the LM head also rounds its input to the per-row int8 grid."""
     method, activations = LOAD_SCHEMES[scheme]
     copied = copy.deepcopy(model)
     head = copied.get_output_embeddings()
     with torch.no_grad():
         for layer in copied.modules():
             if isinstance(layer, torch.nn.Linear) and not (activations and layer is head):
-                layer.weight = torch.nn.Parameter(dequantize(*quantize(layer.weight, method), layer.weight.dtype),
-                                                  requires_grad=False)
+                layer.weight = torch.nn.Parameter(_round_trip(layer.weight, scheme, group_size), requires_grad=False)
     return quantize_activations(copied) if activations else copied
+
+
+def _round_trip(weight: torch.Tensor, scheme: str, group_size: int) -> torch.Tensor:
+    method = LOAD_SCHEMES[scheme][0]
+    if method == "int4":
+        return int4.dequantize(*int4.quantize(weight, group_size, scheme == "int4"), weight.dtype)
+    return dequantize(*quantize(weight, method), weight.dtype)
 
 
 def quantize_activations(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:

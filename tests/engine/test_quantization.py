@@ -249,8 +249,9 @@ def edited(tmp_path, llama, config: dict | None = None, drop: str | None = None,
 
 
 BAD = {
-    "method": (dict(quant_method="gptq"), "quant_method 'gptq' is not supported"),
-    "bits": (dict(weights=dict(num_bits=4)), r"weights.num_bits = 4"),
+    "method": (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+    "bits": (dict(weights=dict(num_bits=2)), r"weights.num_bits = 2"),
+    "4 bits unpacked": (dict(weights=dict(num_bits=4)), r"format = 'int-quantized' is not supported"),
     "group": (dict(weights=dict(strategy="group", group_size=128)), r"weights.strategy = 'group'"),
     "asymmetric": (dict(weights=dict(symmetric=False)), r"weights.symmetric = False"),
     "packed": (dict(format="pack-quantized"), r"format = 'pack-quantized'"),
