@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda_ext import reference
+
 BITS = 4
 PACK = 32 // BITS  # values per int32
 SYMMETRIC_ZERO = 8
@@ -48,14 +50,7 @@ def quantize(weight: torch.Tensor, group_size: int, symmetric: bool
     return codes.to(torch.uint8).reshape(out, cols), scale, zero
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """(codes - zero) * scale per group (fp32 math), as ``dtype``."""
-    out, cols = codes.shape
-    groups = scale.shape[1]
-    centred = codes.float().reshape(out, groups, cols // groups)
-    centred = centred - (SYMMETRIC_ZERO if zero is None else zero.float().unsqueeze(-1))
-    return (centred * scale.float().unsqueeze(-1)).reshape(out, cols).to(dtype)
+dequantize = reference.dequantize_w4  # (codes - zero) * scale per group (fp32 math), as the dtype asked
 
 
 def unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -104,8 +104,10 @@ class Linear(nn.Linear):
         self.packed = ops.pack_linear(self.weight, self.bias, **self._scale())
 
     def _scale(self) -> dict:
-        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer (the packed kernels take no
-        fp8)."""
+        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer, ``scale`` and ``zero`` for a
+        4-bit one (the packed kernels take no fp8)."""
+        if self.weight_scale is not None and self.weight.dtype == torch.uint8:
+            return {"scale": self.weight_scale, "zero": self.weight_zero}
         if self.weight_scale is None or self.weight.dtype != torch.int8:
             return {}
         return {"scale": self.weight_scale, "quantize_activations": self.quantize_activations}

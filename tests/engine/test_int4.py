@@ -41,6 +41,8 @@ def test_quantization_flag_int4(llama, backend, scheme, group_size):
     assert len(layers) == len([m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)])
     assert all(m.weight.dtype == torch.uint8 and m.weight_scale.shape[1] == m.in_features // group_size
                and (m.weight_zero is None) == (scheme == "int4") for m in layers)
+    on_kernel = backend == "ext" and torch.ops.pagedserve.skinny_linear_w4_supports()
+    assert all((m.packed is not None and m.packed.w4_offset is not None) == on_kernel for m in layers)
     reference = dequantized_copy(llama.hf_model, scheme, group_size)
     prompts = mixed_prompts()
     assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]

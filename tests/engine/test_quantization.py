@@ -22,9 +22,9 @@ from .test_hf_equivalence import generate, make_llm
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # ARCH_CONFIGS entries these tests quantize, with the schemes each is tested in (the README's model table reads it).
 FLAG_ARCHS = ["qwen2", "qwen3", "phi3", "gemma2", "opt"]
-# The README's model table reads it (deepseek-v3: tests/engine/test_deepseek.py).
-QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8"), "qwen2-moe": ("int8",), "deepseek-v3": ("int8",),
-                   **{arch: ("int8",) for arch in FLAG_ARCHS}}
+# The README's model table reads it (deepseek-v3: tests/engine/test_deepseek.py; int4: tests/engine/test_int4.py).
+QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8", "int4", "int4-asym"), "qwen2-moe": ("int8", "int4"),
+                   "deepseek-v3": ("int8",), **{arch: ("int8", "int4-asym") for arch in FLAG_ARCHS}}
 
 
 def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
