@@ -51,6 +51,10 @@ class QuantConfig:
             return "int4" if self.symmetric else "int4-asym"
         return "w8a8" if self.activations else self.method
 
+    def fits(self, in_features: int) -> bool:
+        """Whether int4's group size divides a layer's rows (always, for the 8-bit schemes)."""
+        return self.group_size is None or in_features % self.group_size == 0
+
     def groups(self, in_features: int, layer: str) -> int:
         """How many int4 groups a layer's rows have; a size that does not divide them is a ValueError."""
         if self.group_size is None:

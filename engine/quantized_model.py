@@ -48,8 +48,15 @@ def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dt
     if quant is None:
         return
     if not quant.in_checkpoint:
+        # int4 made at load: a layer whose input size the group size does not divide (the demo model's 688-wide
+        # down projection at 128) keeps the model's dtype, as llama.cpp falls back for such tensors.
+        kept = [name for name, layer in layers.items() if not quant.fits(layer.in_features)]
+        if kept:
+            logger.info("int4 group size %d does not divide the input size of %s: kept in %s", quant.group_size,
+                        ", ".join(kept), dtype)
         for name, layer in layers.items():
-            layer.quantize(quant, name)
+            if name not in kept:
+                layer.quantize(quant, name)
     cpu = [layer for layer in layers.values() if not layer.weight.is_cuda]
     if quant.method == "fp8" and cpu:
         logger.info("fp8 weights of %d linear layers dequantized to %s at load (CPU: the skinny GEMM runs int8 "

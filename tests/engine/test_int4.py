@@ -79,9 +79,18 @@ def test_quantization_flag_int4_moe(tmp_path):
     assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
 
 
-def test_group_size_must_divide_the_layer(llama):
-    with pytest.raises(ValueError, match="int4 group size 128 does not divide .*96 input features"):
-        make_llm(build_checkpoint("qwen2-moe", llama.path + "-moe").path, "torch", quantization="int4")
+def test_layers_the_group_size_does_not_divide_stay_unquantized(tmp_path):
+    """Group size 128 on the MoE model: the shared expert's down projection (96 inputs) keeps fp32, the rest is
+    int4; greedy equal to transformers on the same weights."""
+    moe = build_checkpoint("qwen2-moe", tmp_path)
+    llm = make_llm(moe.path, "ext", quantization="int4", enable_prefix_caching=False)
+    linears = {name: m for name, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)
+               and not isinstance(m, Router)}
+    assert all((m.weight_scale is None) == (m.in_features == 96) for m in linears.values())
+    assert any(m.in_features == 96 for m in linears.values())
+    reference = dequantized_copy(moe.hf_model, "int4", 128)
+    prompts = mixed_prompts()[:6]
+    assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
 
 
 # --- checkpoints packed as the hub formats store them -------------------------------------------------------------
