@@ -230,6 +230,8 @@ def measure_pagedserve(path: str, requests: list[Request], args, quantization: s
     seconds, timers, weight_bytes = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device,
                                                      **overrides)
     config = pagedserve_config(args.threads, args.backend, tp, args.device, **overrides) | {"decode_bytes": weight_bytes}
+    if args.num_requests == 1:  # the batch-1 floor's bandwidth, right after the run (the machine's load varies)
+        config["read_bytes_s"] = read_bandwidth(args.threads, repeats=3)
     return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
                              f"dtype={args.dtype or 'auto'}, quantization={quantization}, "
                              f"kv_cache_dtype={kv_cache_dtype or 'auto'}"
@@ -346,9 +348,6 @@ def run_model(name: str, args, results: list[Result]) -> None:
             from loadtest.llama_cpp_peer import LlamaCppPeer, write_gguf
 
             peer = LlamaCppPeer(write_gguf(path, os.path.join(folder, f"{name}.gguf")))
-        bandwidth = read_bandwidth(args.threads) if args.num_requests == 1 else 0.0
-        if bandwidth:
-            print(f"   read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
         for workload in args.workloads:
             requests = make_workload(workload, args.num_requests, MODELS[name]["config"]["vocab_size"], args.seed)
             tokens = sum(r.output_len for r in requests)
@@ -387,18 +386,18 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 for measured in runs[f"pagedserve-kv-{args.kv_cache_dtype}"]:
                     measured.config.update(quality)
             for system, measured in runs.items():
-                if args.num_requests == 1 and "decode_bytes" in measured[0].config:
-                    _add_floor(measured, bandwidth, tokens)
+                if "read_bytes_s" in measured[0].config:
+                    _add_floor(measured, tokens)
                 results.append(_record(name, workload, system, tokens, median_run(measured)))
 
 
-def _add_floor(measured: list[Measured], bandwidth: float, tokens: int) -> None:
-    """One request: each run's share of the batch-1 decode floor (read bandwidth / bytes of weights a token
-    reads), from its own run's tokens per second (prefill included, so a little under the decode share)."""
-    floor = bandwidth / measured[0].config["decode_bytes"]
+def _add_floor(measured: list[Measured], tokens: int) -> None:
+    """One request: each run's share of the batch-1 decode floor (the read bandwidth measured right after it /
+    the bytes of weights a token reads), from its tokens per second (prefill included: a little under the
+    decode-only share)."""
     for m in measured:
-        m.config.update(floor_tok_s=round(floor, 1), share_of_floor=round(tokens / m.seconds[0] / floor, 3),
-                        read_gb_s=round(bandwidth / 1e9, 1))
+        floor = m.config["read_bytes_s"] / m.config["decode_bytes"]
+        m.config.update(floor_tok_s=round(floor, 1), share_of_floor=round(tokens / m.seconds[0] / floor, 3))
 
 
 def _record(model: str, workload: str, system: str, tokens: int, m: Measured) -> Result:

@@ -223,3 +223,17 @@ def test_columns_out_of_group_order(llama, tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"up_proj.g_idx': columns out of group order"):
         make_llm(str(tmp_path), "torch")
+
+
+def test_int4_checkpoint_tensor_parallel(llama, tmp_path):
+    """tp=2: each rank reads its slice of the converted codes, and a row-parallel layer its groups' scales and
+    zeros (groups of 32: two per rank in o_proj)."""
+    reference = with_weights(llama.hf_model, write_int4_checkpoint(llama.path, tmp_path, "gptq asym"))
+    llm = make_llm(str(tmp_path), "ext", enable_prefix_caching=False, tensor_parallel_size=2)
+    try:
+        o_proj = llm.engine.runner.runner.model.model.layers[0].self_attn.o_proj
+        assert o_proj.weight.shape[1] == 64 and o_proj.weight_scale.shape[1] == 2
+        prompts = mixed_prompts()[:4]
+        assert generate(llm, prompts) == [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+    finally:
+        llm.engine.runner.shutdown()
