@@ -43,7 +43,10 @@ namespace {
 constexpr int64_t kP = 64;          // output columns per panel
 constexpr int64_t kQuadBytes = kP * 2;  // a panel's bytes per 4 input columns
 constexpr int64_t kMaxRows = 4;      // rows of x per register tile
-constexpr int64_t kMinWork = 1 << 20;  // multiply-adds worth a thread
+// Packed bytes (times rows) a chunk of panels should hold: small enough that at one row both threads get chunks
+// before the first finishes (the packed layer reads 4x fewer bytes per multiply-add than bf16, so a grain sized
+// in multiply-adds, as skinny_gemm.cpp's, left a 4.4 MB gate_up projection to one thread).
+constexpr int64_t kMinChunkBytes = 1 << 16;
 
 void check_w4(const at::Tensor& codes, int64_t groups) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "pack_linear_weight_w4: codes must be uint8 "
@@ -195,7 +198,7 @@ void run_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sca
   const T* xp = x.data_ptr<T>();
   const std::vector<float> xsum = group_sums(xp, m, ldx, groups, group_len);
   const uint8_t* pk = packed.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(m * kP * k, 1));
+  const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / std::max<int64_t>(m * (k / 4) * kQuadBytes, 1));
   parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     float out[kMaxRows][kP];
     for (int64_t p = begin; p < end; ++p) {
