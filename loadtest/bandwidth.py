@@ -32,14 +32,16 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
 
 
 def decode_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode token reads: every linear layer's as the GEMM reads them (the packed copy and
-    its scales where packed), norms and biases; not the embedding table (one row a token). MoE experts count
-    whole (a batch-1 token reads only its top-k: an upper bound there)."""
+    """Bytes of weights one greedy decode token reads: every linear layer's as the GEMM reads them (the packed
+    copy and its scales where packed; an LM head with an argmax screen, its screen: greedy decoding reads that
+    and recomputes a few columns), norms and biases; not the embedding table (one row a token). MoE experts
+    count whole (a batch-1 token reads only its top-k: an upper bound there)."""
     total = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, Linear) and module.packed is not None:
             p = module.packed
-            total += sum(t.nbytes for t in (p.packed, p.bias, p.scale, p.col_offset, p.w4_offset) if t is not None)
+            weights = p.packed if p.screen is None else p.screen.screen
+            total += sum(t.nbytes for t in (weights, p.bias, p.scale, p.col_offset, p.w4_offset) if t is not None)
         elif not isinstance(module, nn.Embedding):
             total += sum(t.nbytes for t in module.parameters(recurse=False) if t.device.type != "meta")
     return total
