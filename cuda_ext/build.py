@@ -26,10 +26,9 @@ from cuda_ext.ops import is_built
 CSRC = Path(__file__).parent / "csrc"
 CPU_SOURCES = ("registration.cpp", "cpu/cache_ops.cpp", "cpu/attention.cpp", "cpu/skinny_gemm.cpp", "cpu/layer_ops.cpp",
                "cpu/argmax.cpp", "cpu/token_bitmask.cpp", "cpu/argmax_screen.cpp", "cpu/argmax_screen_int8.cpp",
-               "cpu/decoder_layer.cpp", "cpu/moe.cpp",
-               "cpu/linear_attention.cpp")
+               "cpu/decoder_layer.cpp", "cpu/moe.cpp", "cpu/skinny_w4.cpp", "cpu/linear_attention.cpp")
 CUDA_SOURCES = ("cuda/bindings.cpp", "cuda/cache_kernels.cu", "cuda/attention_kernels.cu",
-                "cuda/attention_split.cu", "cuda/layer_kernels.cu", "cuda/token_bitmask_kernels.cu",
+                "cuda/attention_split.cu", "cuda/layer_kernels.cu", "cuda/token_bitmask_kernels.cu", "cuda/w4_kernels.cu",
                 "cuda/linear_attention_kernels.cu")
 EXTENSION_NAME = "pagedserve_kernels"
 PREBUILT_ENV = "PAGEDSERVE_KERNELS_LIB"

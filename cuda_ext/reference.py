@@ -276,6 +276,25 @@ def skinny_linear_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def dequantize_w4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """4-bit codes [out, in] (uint8 0..15) -> (code - zero) * scale per group of in / groups columns (fp32 math),
+    as ``dtype``; zero None: 8 (symmetric)."""
+    out, cols = codes.shape
+    groups = scale.shape[1]
+    centred = codes.float().reshape(out, groups, cols // groups)
+    centred = centred - (8 if zero is None else zero.float().unsqueeze(-1))
+    return (centred * scale.float().unsqueeze(-1)).reshape(out, cols).to(dtype)
+
+
+def skinny_linear_w4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequantize_w4(...).T (+ bias), in fp32, as x's dtype: what skinny_linear_w4 computes (its sums run
+    per group, then scaled, so they differ from this in rounding only)."""
+    y = x.float() @ dequantize_w4(codes, scale, zero, torch.float32).t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row symmetric int8 activations: (q int8 [rows, in], t fp32 [rows, 1]), x ~ q * t, t = max|x| /
     127 (1 for a zero row), q = round(x * (1 / t)) to nearest even."""

@@ -43,10 +43,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = spec(True, help="disable chunked prefill", flag="--no-chunked-prefill")
     preemption_mode: PreemptionMode = spec("recompute", help="what to do with a preempted sequence")
     dtype: str = spec("auto", help="weights/activations dtype (auto, float32, bfloat16, float16)")
-    quantization: str | None = spec(choices=(None, "int8", "w8a8", "fp8"),
+    quantization: str | None = spec(choices=(None, "int8", "w8a8", "fp8", "int4", "int4-asym"),
                                     help="quantize the linear layers' weights at load, per output channel (w8a8: "
-                                         "their inputs per row too, int8 on AVX512-VNNI CPUs; a checkpoint's own "
-                                         "quantization_config needs no flag)")
+                                         "their inputs per row too, int8 on AVX512-VNNI CPUs; int4: 4-bit weights "
+                                         "per group of input columns, symmetric or with zero points (int4-asym); "
+                                         "a checkpoint's own quantization_config (AWQ, GPTQ, compressed-tensors) "
+                                         "needs no flag)")
+    quantization_group_size: int = spec(128, choices=(32, 64, 128), help="input columns per int4 scale")
     kv_cache_dtype: KVCacheDtypeName = spec("auto", help="KV cache elements: auto (the model's dtype), or int8 / "
                                                          "fp8 (e4m3) with a scale per token and KV head, ~2x the "
                                                          "tokens of bf16 in the same memory")

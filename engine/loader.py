@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 import cuda_ext
 from engine import quantized_model
 from engine.distributed.parallel_state import TensorParallel
+from engine.int4_checkpoint import Int4Reader, int4_reader
 from engine.layers.activation import ActAndMul
 from engine.layers.linear import Linear, Shard
 from engine.layers.norm import RMSNorm
@@ -30,7 +31,7 @@ from engine.quantization import quant_config
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: cuda_ext.KernelOps,
                show_progress: bool = True, tp: TensorParallel | None = None,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, quantization_group_size: int = 128) -> nn.Module:
     """Build the model (this rank's shard of it) without initialising it (meta device), fill every
     parameter from the checkpoint, then put it on ``ops`` (``use_kernels``). Linear layers are quantized as
     the checkpoint's quantization_config says, or as ``quantization`` asks (engine/quantization.py)."""
@@ -42,10 +43,10 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: 
         model = cls(cfg, device, dtype, tp or TensorParallel())
     model.to(dtype).to_empty(device=device)  # cast while on meta: no full-size copy in the default dtype
     model.tie_weights()
-    quant = quant_config(cfg.path, cfg.hf, quantization)
+    quant = quant_config(cfg.path, cfg.hf, quantization, quantization_group_size)
     quantized = quantized_model.prepare(model, quant)
-    mxfp4 = mxfp4_reader(cfg, cls, files, dtype)
-    missing = _unfilled(model, _load_files(model, files, show_progress, mxfp4))
+    reader = mxfp4_reader(cfg, cls, files, dtype) or int4_reader(quant)
+    missing = _unfilled(model, _load_files(model, files, show_progress, reader))
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -77,10 +78,11 @@ def use_kernels(model: nn.Module, ops: cuda_ext.KernelOps) -> None:
             layer.fuse(ops)
 
 
-def _load_files(model: nn.Module, files: list[str], show_progress: bool, mxfp4: Mxfp4Reader | None
+def _load_files(model: nn.Module, files: list[str], show_progress: bool, reader: Mxfp4Reader | Int4Reader | None
                 ) -> dict[str, set]:
     """Fills the parameters; returns, per parameter filled, the parts that were (None: the whole tensor).
-    ``mxfp4`` reads an MXFP4 checkpoint's blocks and scales as one dequantized tensor."""
+    ``reader`` reads a checkpoint's packed tensors in the form the model holds: an MXFP4 checkpoint's blocks and
+    scales as one dequantized tensor, a 4-bit checkpoint's layers as the engine's int4 form."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     names = _Names(params, packed=getattr(model, "packed_modules", {}),
@@ -91,7 +93,7 @@ def _load_files(model: nn.Module, files: list[str], show_progress: bool, mxfp4: 
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    name, src = mxfp4.read(name, f) if mxfp4 else (name, f.get_slice(name))
+                    name, src = reader.read(name, f) if reader else (name, f.get_slice(name))
                     target = names.target(name) if src is not None else None
                     if target is not None:
                         _copy_weight(target, src, params, modules, name)

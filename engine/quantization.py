@@ -1,8 +1,10 @@
-"""Quantized linear weights: the format a checkpoint's ``quantization_config`` describes (compressed-tensors int8
-and fp8, the ``fp8`` method), or int8/fp8 made at load (``EngineConfig.quantization``), and the helpers that
-quantize and dequantize them.
+"""Quantized linear weights: the format a checkpoint's ``quantization_config`` describes (compressed-tensors int8,
+fp8 and 4-bit pack-quantized, the ``fp8`` method, AWQ and GPTQ), or int8/fp8/int4 made at load
+(``EngineConfig.quantization``), and the helpers that quantize and dequantize them.
 
-Every supported scheme is symmetric, per output channel (or per tensor, widened to per channel at load):
+4-bit weights (engine/int4.py) are grouped along the input, symmetric or with a zero point per group.
+
+Every 8-bit scheme is symmetric, per output channel (or per tensor, widened to per channel at load):
 ``weight = q * weight_scale`` with q int8 or float8_e4m3fn [out, in] and weight_scale fp32 [out, 1]. int8 layers
 may also quantize their input per row at run time (W8A8: dynamic per-token int8 activations, the scheme
 llm-compressor's W8A8 checkpoints are calibrated for)."""
@@ -16,11 +18,13 @@ import torch
 
 from cuda_ext import reference
 
-QuantMethod = Literal["int8", "fp8"]
+QuantMethod = Literal["int8", "fp8", "int4"]
 # EngineConfig.quantization's values: (weight format, whether int8 activations are quantized per row too).
 LOAD_SCHEMES: dict[str, tuple[QuantMethod, bool]] = {"int8": ("int8", False), "w8a8": ("int8", True),
-                                                     "fp8": ("fp8", False)}
-WEIGHT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+                                                     "fp8": ("fp8", False), "int4": ("int4", False),
+                                                     "int4-asym": ("int4", False)}
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
+INT4_GROUP_SIZES = (32, 64, 128)  # --quantization int4's choices (a checkpoint may use any, or one per row)
 _QMAX = {"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m3fn).max}
 # compressed-tensors formats that store one plain int8 / fp8 tensor per weight (pack-quantized packs int32s).
 _CT_FORMATS = {"int": ("int-quantized", "naive-quantized"), "float": ("float-quantized", "naive-quantized")}
@@ -32,6 +36,9 @@ class QuantConfig:
     in_checkpoint: bool  # the checkpoint stores q and weight_scale; else the loaded weights are quantized
     ignore: tuple[str, ...] = ()  # modules kept unquantized: checkpoint names, or "re:" + a regex
     activations: bool = False  # int8 layers quantize their input per row (W8A8); the LM head never does
+    group_size: int | None = None  # int4: input columns per scale (None: one group per row)
+    symmetric: bool = True  # int4: False = a zero point per group
+    checkpoint_format: str | None = None  # int4 checkpoints: "gptq", "gptq_v2", "awq" or "pack-quantized"
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -40,7 +47,22 @@ class QuantConfig:
     @property
     def scheme(self) -> str:
         """Its name among EngineConfig.quantization's values."""
+        if self.method == "int4":
+            return "int4" if self.symmetric else "int4-asym"
         return "w8a8" if self.activations else self.method
+
+    def fits(self, in_features: int) -> bool:
+        """Whether int4's group size divides a layer's rows (always, for the 8-bit schemes)."""
+        return self.group_size is None or in_features % self.group_size == 0
+
+    def groups(self, in_features: int, layer: str) -> int:
+        """How many int4 groups a layer's rows have; a size that does not divide them is a ValueError."""
+        if self.group_size is None:
+            return 1
+        if in_features % self.group_size:
+            raise ValueError(f"int4 group size {self.group_size} does not divide {layer}'s {in_features} input "
+                             "features (choose another quantization group size)")
+        return in_features // self.group_size
 
     def ignores(self, module_names: list[str]) -> bool:
         """Whether the layer whose checkpoint modules are ``module_names`` (a fused layer's parts) stays
@@ -58,16 +80,18 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | None:
-    """The checkpoint's quantization (config.json ``quantization_config``), or ``requested`` ("int8" | "fp8")
-    made at load from an unquantized checkpoint; None for neither. A config this engine cannot run is a
-    ValueError naming its field."""
+def quant_config(path: str, hf: dict, requested: str | None, group_size: int = 128) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json ``quantization_config``), or ``requested`` (a LOAD_SCHEMES key;
+    int4 in groups of ``group_size``) made at load from an unquantized checkpoint; None for neither. A config
+    this engine cannot run is a ValueError naming its field."""
     raw = hf.get("quantization_config")
     # MXFP4 quantizes experts only, dequantized at load (engine/mxfp4.py): the linear layers are as if unquantized.
     if raw is None or raw.get("quant_method") == "mxfp4":
         if requested is None:
             return None
         method, activations = LOAD_SCHEMES[requested]
+        if method == "int4":
+            return QuantConfig("int4", False, group_size=group_size, symmetric=requested == "int4")
         # W8A8 leaves the LM head as it is, as llm-compressor does: the widest layer, whose logits pick the
         # tokens, keeps its exact inputs and the fused argmax of the model's dtype.
         return QuantConfig(method, in_checkpoint=False, ignore=("lm_head",) if activations else (),
@@ -78,9 +102,13 @@ def quant_config(path: str, hf: dict, requested: str | None) -> QuantConfig | No
         config = _compressed_tensors(where, raw)
     elif method == "fp8":
         config = _fp8_method(where, raw)
+    elif method == "gptq":
+        config = _gptq(where, raw)
+    elif method == "awq":
+        config = _awq(where, raw)
     else:
-        raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8, fp8; "
-                         "mxfp4 for gpt-oss's experts)")
+        raise ValueError(f"{where}.quant_method {method!r} is not supported (compressed-tensors int8/fp8/int4, "
+                         "fp8, gptq, awq; mxfp4 for gpt-oss's experts)")
     if requested not in (None, config.scheme):
         raise ValueError(f"quantization={requested!r}, but {where} describes {config.scheme}")
     return config
@@ -97,6 +125,8 @@ def _compressed_tensors(where: str, raw: dict) -> QuantConfig:
     weights = group.get("weights") or {}
     kind = weights.get("type")
     _require(at + ".weights.type", kind, ("int", "float"))
+    if kind == "int" and weights.get("num_bits") == 4:
+        return _compressed_tensors_w4a16(where, at, raw, group)
     _require(at + ".weights.num_bits", weights.get("num_bits"), (8,))
     _require(at + ".weights.symmetric", weights.get("symmetric"), (True,))
     _require(at + ".weights.strategy", weights.get("strategy"), ("channel", "tensor"))
@@ -130,6 +160,59 @@ def _fp8_method(where: str, raw: dict) -> QuantConfig:
     _require(where + ".weight_block_size", raw.get("weight_block_size"), (None,))
     ignore = raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ()
     return QuantConfig("fp8", True, tuple(ignore))
+
+
+def _compressed_tensors_w4a16(where: str, at: str, raw: dict, group: dict) -> QuantConfig:
+    """W4A16: 4-bit weights packed eight to an int32 (engine/int4.py), per group or per channel."""
+    weights = group["weights"]
+    strategy = weights.get("strategy")
+    _require(at + ".weights.strategy", strategy, ("group", "channel"))
+    _require(at + ".weights.dynamic", weights.get("dynamic", False), (False,))
+    _require(at + ".weights.actorder", weights.get("actorder"), (None, "weight"))
+    _require(at + ".format", group.get("format") or raw.get("format"), ("pack-quantized",))
+    _require(at + ".input_activations", group.get("input_activations"), (None,))
+    _require(where + ".kv_cache_scheme", raw.get("kv_cache_scheme"), (None,))
+    group_size = _group_size(at + ".weights.group_size", weights.get("group_size")) if strategy == "group" else None
+    return QuantConfig("int4", True, tuple(raw.get("ignore") or ()), group_size=group_size,
+                       symmetric=_flag(at + ".weights.symmetric", weights.get("symmetric")),
+                       checkpoint_format="pack-quantized")
+
+
+def _gptq(where: str, raw: dict) -> QuantConfig:
+    """AutoGPTQ / GPTQModel checkpoints (``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``); activation order
+    (``desc_act``) is not supported: its groups are not runs of columns."""
+    _require(where + ".bits", raw.get("bits"), (4,))
+    _require(where + ".desc_act", raw.get("desc_act", False), (False,))
+    fmt = raw.get("checkpoint_format", "gptq")
+    _require(where + ".checkpoint_format", fmt, ("gptq", "gptq_v2"))
+    ignore = ("lm_head",) if not raw.get("lm_head") else ()
+    return QuantConfig("int4", True, ignore + tuple(raw.get("modules_to_not_convert") or ()),
+                       group_size=_group_size(where + ".group_size", raw.get("group_size")),
+                       symmetric=_flag(where + ".sym", raw.get("sym", True)), checkpoint_format=fmt)
+
+
+def _awq(where: str, raw: dict) -> QuantConfig:
+    """AutoAWQ's GEMM checkpoints (``qweight`` / ``qzeros`` / ``scales``), always with zero points."""
+    _require(where + ".bits", raw.get("bits", raw.get("w_bit")), (4,))
+    _require(where + ".version", raw.get("version", "gemm").lower(), ("gemm",))
+    _require(where + ".zero_point", raw.get("zero_point", True), (True,))
+    group_size = _group_size(where + ".group_size", raw.get("group_size", raw.get("q_group_size")))
+    return QuantConfig("int4", True, ("lm_head",) + tuple(raw.get("modules_to_not_convert") or ()),
+                       group_size=group_size, symmetric=False, checkpoint_format="awq")
+
+
+def _group_size(field: str, value) -> int | None:
+    """A checkpoint's int4 group size; -1: one group per row (None)."""
+    if value == -1:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value % 8:
+        raise ValueError(f"{field} = {value!r} is not supported (a positive multiple of 8, or -1)")
+    return value
+
+
+def _flag(field: str, value) -> bool:
+    _require(field, value, (True, False))
+    return value
 
 
 def _require(field: str, value, allowed: tuple) -> None:

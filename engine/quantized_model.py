@@ -27,9 +27,9 @@ def prepare(model: nn.Module, quant: QuantConfig | None) -> dict[str, Linear]:
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, Linear) and layer.quantizable
               and not quant.ignores(checkpoint_modules(name, packed))
               and not (quant.in_checkpoint and uses[id(layer.weight)] > 1)}
-    for layer in layers.values():
+    for name, layer in layers.items():
         if quant.in_checkpoint:
-            layer.hold_quantized(quant.weight_dtype)
+            layer.hold_quantized(quant, name)
         # The LM head keeps its input exact: its logits pick the tokens.
         layer.quantize_activations = quant.activations and not isinstance(layer, ParallelLMHead)
     return layers
@@ -48,8 +48,15 @@ def finish(layers: dict[str, Linear], quant: QuantConfig | None, dtype: torch.dt
     if quant is None:
         return
     if not quant.in_checkpoint:
-        for layer in layers.values():
-            layer.quantize(quant.method)
+        # int4 made at load: a layer whose input size the group size does not divide (the demo model's 688-wide
+        # down projection at 128) keeps the model's dtype, as llama.cpp falls back for such tensors.
+        kept = [name for name, layer in layers.items() if not quant.fits(layer.in_features)]
+        if kept:
+            logger.info("int4 group size %d does not divide the input size of %s: kept in %s", quant.group_size,
+                        ", ".join(kept), dtype)
+        for name, layer in layers.items():
+            if name not in kept:
+                layer.quantize(quant, name)
     cpu = [layer for layer in layers.values() if not layer.weight.is_cuda]
     if quant.method == "fp8" and cpu:
         logger.info("fp8 weights of %d linear layers dequantized to %s at load (CPU: the skinny GEMM runs int8 "

@@ -7,6 +7,7 @@ For Qwen2-0.5B's MLP shapes (896 -> 9728 gate_up, 4864 -> 896 down), bf16 activa
          has them; fp32 weights and activations where it has no AVX512-BF16, the faster there)
   w8a16  skinny_linear_w8: int8 weights widened in registers, activations as they are
   w8a8   skinny_linear_w8a8: each row of x quantized to int8, vpdpbusd (AVX512-VNNI CPUs only)
+  w4a16  skinny_linear_w4: 4-bit weights, groups of 128, symmetric, vdpbf16ps on bf16 rows (AVX-512 CPUs only)
 Reports the median ms per call over --calls calls (the systems alternating per call) and each one's speed-up
 over the baseline.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 import cuda_ext
+from engine import int4
 from engine.quantization import quantize
 
 SHAPES = {"gate_up 896->9728": (896, 9728), "down 4864->896": (4864, 896)}
@@ -35,6 +37,9 @@ def layers(in_features: int, out_features: int) -> tuple[torch.dtype, dict[str, 
                "w8a16": cuda_ext.pack_linear(q, None, scale=scale)}
     if torch.ops.pagedserve.skinny_linear_w8a8_supports():
         systems["w8a8"] = cuda_ext.pack_linear(q, None, scale=scale, quantize_activations=True)
+    if torch.ops.pagedserve.skinny_linear_w4_supports():
+        codes, scale4, _ = int4.quantize(weight, 128, symmetric=True)
+        systems["w4a16"] = cuda_ext.pack_linear(codes, None, scale=scale4)
     return dtype, systems
 
 

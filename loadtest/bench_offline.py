@@ -28,7 +28,7 @@ checkpoint written as GGUF, the requests decoded in one context whose KV cache h
 pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
 the KV cache unified or one stream per request.
 
-``--quantization int8`` (or w8a8, fp8) adds ``pagedserve-int8``: the same engine with its linear layers quantized
+``--quantization int8`` (or w8a8, fp8, int4, int4-asym) adds ``pagedserve-int8``: the same engine with its linear layers quantized
 at load (the LM head too; w8a8 also quantizes their inputs per row, not the LM head's), its throughput as
 ``int8_ratio_vs_pagedserve``, and how close its model stays (greedy
 agreement and KL, teacher-forced on the workload's first prompts: ``loadtest.quant_quality``). ``--dtype``
@@ -68,6 +68,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from loadtest import output_path
+from loadtest.bandwidth import decode_bytes, read_bandwidth
 from loadtest.profile_step import StepTimers, instrument
 
 MODELS = {
@@ -182,14 +183,14 @@ def pagedserve_config(threads: int, backend: str, tensor_parallel_size: int = 1,
 
 
 def bench_pagedserve(path: str, requests: list[Request], threads: int, backend: str, tensor_parallel_size: int = 1,
-                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers | None]:
-    """(wall, CPU) seconds of the workload after a warm-up, and its steps' timers (none with async scheduling:
-    the timers assume one thread)."""
+                     device: str = "cpu", **overrides) -> tuple[tuple[float, float], StepTimers | None, int]:
+    """(wall, CPU) seconds of the workload after a warm-up, its steps' timers (none with async scheduling:
+    the timers assume one thread), and the bytes of weights a decode token reads (loadtest.bandwidth)."""
     llm = LLM(path, skip_tokenizer_init=True,
               **pagedserve_config(threads, backend, tensor_parallel_size, device, **overrides))
     _run_pagedserve(llm, [Request(r.prompt, 4) for r in requests[:8]])  # warm-up
     timers = None if overrides.get("async_scheduling") else instrument(llm.engine)
-    return timed(lambda: _run_pagedserve(llm, requests)), timers
+    return timed(lambda: _run_pagedserve(llm, requests)), timers, decode_bytes(llm.engine.runner.model)
 
 
 def _run_pagedserve(llm: LLM, requests: list[Request]) -> None:
@@ -260,12 +261,15 @@ def measure_pagedserve(path: str, requests: list[Request], args, quantization: s
     tp = args.tensor_parallel_size
     overrides = dict(dtype=args.dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, async_scheduling=async_scheduling or None)
-    seconds, timers = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device, **overrides)
+    seconds, timers, weight_bytes = bench_pagedserve(path, requests, args.threads, args.backend, tp, args.device,
+                                                     **overrides)
+    config = pagedserve_config(args.threads, args.backend, tp, args.device, **overrides) | {"decode_bytes": weight_bytes}
+    if args.num_requests == 1:  # the batch-1 floor's bandwidth, right after the run (the machine's load varies)
+        config["read_bytes_s"] = read_bandwidth(args.threads, repeats=3)
     return Measured(seconds, f"backend={args.backend}, tensor_parallel_size={tp}, device={args.device}, "
                              f"dtype={args.dtype or 'auto'}, quantization={quantization}, "
                              f"kv_cache_dtype={kv_cache_dtype or 'auto'}"
-                             + (", async scheduling" if async_scheduling else ""),
-                    pagedserve_config(args.threads, args.backend, tp, args.device, **overrides), timers)
+                             + (", async scheduling" if async_scheduling else ""), config, timers)
 
 
 def quantization_quality(path: str, name: str, requests: list[Request], args) -> dict[str, float]:
@@ -417,7 +421,18 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 for measured in runs[f"pagedserve-kv-{args.kv_cache_dtype}"]:
                     measured.config.update(quality)
             for system, measured in runs.items():
+                if "read_bytes_s" in measured[0].config:
+                    _add_floor(measured, tokens)
                 results.append(_record(name, workload, system, tokens, median_run(measured)))
+
+
+def _add_floor(measured: list[Measured], tokens: int) -> None:
+    """One request: each run's share of the batch-1 decode floor (the read bandwidth measured right after it /
+    the bytes of weights a token reads), from its tokens per second (prefill included: a little under the
+    decode-only share)."""
+    for m in measured:
+        floor = m.config["read_bytes_s"] / m.config["decode_bytes"]
+        m.config.update(floor_tok_s=round(floor, 1), share_of_floor=round(tokens / m.seconds[0] / floor, 3))
 
 
 def _record(model: str, workload: str, system: str, tokens: int, m: Measured) -> Result:
@@ -425,8 +440,10 @@ def _record(model: str, workload: str, system: str, tokens: int, m: Measured) ->
     result = Result(model, workload, system, tokens / wall, wall, tokens / cpu, tokens, m.detail, m.config)
     if m.timers is not None:
         result.step_ms, result.step_cpu_ms = (_rounded(m.timers.breakdown(cpu=c)) for c in (False, True))
+    floor = f", {m.config['share_of_floor']:.0%} of the {m.config['floor_tok_s']} tok/s floor" \
+        if "share_of_floor" in m.config else ""
     print(f"   {system:<14} {tokens / wall:8.1f} tok/s  ({wall:.1f} s; {tokens / cpu:.1f} tok per "
-          f"CPU-s) {m.detail}", flush=True)
+          f"CPU-s{floor}) {m.detail}", flush=True)
     for clock, ms in (("wall", result.step_ms), ("CPU", result.step_cpu_ms)) if m.timers else ():
         print(f"   per step ({clock} ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
     return result
@@ -478,7 +495,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="pagedserve's ranks (processes), each with --threads threads; CPU time is rank 0's only")
-    parser.add_argument("--quantization", choices=["int8", "w8a8", "fp8"],
+    parser.add_argument("--quantization", choices=["int8", "w8a8", "fp8", "int4", "int4-asym"],
                         help="also run pagedserve with its linear layers quantized at load (same run, same requests)")
     parser.add_argument("--kv-cache-dtype", choices=["int8", "fp8"],
                         help="also run pagedserve with its KV cache quantized (same run, same requests)")

@@ -40,6 +40,7 @@ TINY: dict[str, list[str] | CoveredBy] = {
                      "--threads", "1"],
     "bench_beam": ["--num-requests", "2", "--threads", "1", "--batch-sizes", "2"],
     "bench_linear": ["--rows", "1", "--calls", "1", "--threads", "1"],
+    "quant_quality": ["--schemes", "int4", "--new-tokens", "2", "--out", "out.json"],
     "bench_serving": ["--num-requests", "2", "--num-threads", "1"],
     "bench_apis": ["--conversations", "2", "--max-tokens", "4", "--rounds", "1"],
     "bench_broker": ["--streams", "4", "--gateways", "1", "--rates", "400", "--tokens-per-request", "20",

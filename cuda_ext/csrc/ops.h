@@ -40,6 +40,13 @@ std::tuple<at::Tensor, at::Tensor> pack_linear_weight_w8a8_cpu(const at::Tensor&
 at::Tensor skinny_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                   const at::Tensor& col_offset, const c10::optional<at::Tensor>& bias,
                                   int64_t out_features);
+// 4-bit weights (engine/int4.py's codes, per-group scales and zeros; AVX-512 builds: skinny_linear_w4_supports):
+// packed by pack_linear_weight_w4 into (panels, scales, zero * scale); x fp32 or bf16 (cpu/skinny_w4.cpp).
+bool skinny_linear_w4_supports_cpu();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_linear_weight_w4_cpu(const at::Tensor& codes, const at::Tensor& scale,
+                                                                         const c10::optional<at::Tensor>& zero);
+at::Tensor skinny_linear_w4_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                const at::Tensor& offsets, const c10::optional<at::Tensor>& bias, int64_t out_features);
 bool argmax_screen_supports_cpu(at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> pack_argmax_screen_cpu(const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias);

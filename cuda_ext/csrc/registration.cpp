@@ -50,12 +50,16 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("pack_linear_weight_w8a8(Tensor q) -> (Tensor, Tensor)");
   m.def("skinny_linear_w8a8(Tensor x, Tensor packed, Tensor scale, Tensor col_offset, Tensor? bias, "
         "int out_features) -> Tensor");
+  m.def("pack_linear_weight_w4(Tensor codes, Tensor scale, Tensor? zero) -> (Tensor, Tensor, Tensor)");
+  m.def("skinny_linear_w4(Tensor x, Tensor packed, Tensor scales, Tensor offsets, Tensor? bias, int out_features) "
+        "-> Tensor");
   m.def("pack_argmax_screen(Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
   m.def("skinny_argmax_screened(Tensor x, Tensor weight, Tensor screen, Tensor bounds, Tensor? bias) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every device.
   m.def("skinny_linear_supports(ScalarType dtype) -> bool", &pagedserve::skinny_linear_supports_cpu);
   m.def("argmax_screen_supports(ScalarType dtype) -> bool", &pagedserve::argmax_screen_supports_cpu);
   m.def("skinny_linear_w8a8_supports() -> bool", &pagedserve::skinny_linear_w8a8_supports_cpu);
+  m.def("skinny_linear_w4_supports() -> bool", &pagedserve::skinny_linear_w4_supports_cpu);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -82,6 +86,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("skinny_linear_w8_argmax", &pagedserve::skinny_linear_w8_argmax_cpu);
   m.impl("pack_linear_weight_w8a8", &pagedserve::pack_linear_weight_w8a8_cpu);
   m.impl("skinny_linear_w8a8", &pagedserve::skinny_linear_w8a8_cpu);
+  m.impl("pack_linear_weight_w4", &pagedserve::pack_linear_weight_w4_cpu);
+  m.impl("skinny_linear_w4", &pagedserve::skinny_linear_w4_cpu);
   m.impl("pack_argmax_screen", &pagedserve::pack_argmax_screen_cpu);
   m.impl("skinny_argmax_screened", &pagedserve::skinny_argmax_screened_cpu);
 }

@@ -42,7 +42,8 @@ def create_executor(config: EngineConfig) -> tuple[ResolvedConfig, ModelRunner |
     """Resolve ``config``, load the model (this rank's shard) and return what runs the steps."""
     # built here, once, before any worker loads it
     ops = cuda_ext.load_ops(config.attention_backend, config.attention_kernel)
-    load = partial(load_model, ops=ops, quantization=config.quantization, show_progress=config.show_progress)
+    load = partial(load_model, ops=ops, quantization=config.quantization,
+                   quantization_group_size=config.quantization_group_size, show_progress=config.show_progress)
     if config.tensor_parallel_size == 1:
         resolved, model = resolve_config(config, load)
         return resolved, ModelRunner(model, resolved, ops)

@@ -28,7 +28,8 @@ def run_worker(rank: int, config: EngineConfig, init_method: str) -> None:
     set_rank_threads(config.num_threads, size)
     tp = init_tensor_parallel(rank, size, init_method, TensorParallel(rank, size).device(config.device))
     ops = cuda_ext.load_ops(config.attention_backend, config.attention_kernel)
-    load = partial(load_model, ops=ops, quantization=config.quantization, show_progress=False, tp=tp)
+    load = partial(load_model, ops=ops, quantization=config.quantization,
+                   quantization_group_size=config.quantization_group_size, show_progress=False, tp=tp)
     resolved, model = resolve_config(config, load, tp)
     runner = ModelRunner(model, resolved, ops)
     while (plan := receive_plan(tp)) is not None:

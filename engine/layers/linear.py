@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuda_ext import KernelOps, PackedLinear
+from engine import int4
 from engine.distributed.parallel_state import TensorParallel
-from engine.quantization import QuantMethod, dequantize, quantize, quantized_linear
+from engine.quantization import QuantConfig, dequantize, quantize, quantized_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +29,16 @@ class Shard:
     select: int | None = None
 
 
-_QUANTIZED = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}  # safetensors' names of the quantized dtypes
+# safetensors' names of the quantized dtypes (uint8: 4-bit codes, converted from a checkpoint's packing at read)
+_QUANTIZED = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 
 
 class Linear(nn.Linear):
     """nn.Linear that runs on ``packed`` once the model runner packs it (cuda_ext's skinny GEMM on CPU).
 
     Quantized (engine/quantization.py): ``weight`` holds q (int8 or fp8) and ``weight_scale`` its fp32
-    [out_features, 1] scales; otherwise ``weight_scale`` is None."""
+    [out_features, 1] scales, or 4-bit codes (uint8) with [out_features, groups] scales and, asymmetric,
+    ``weight_zero`` (engine/int4.py); otherwise ``weight_scale`` (and ``weight_zero``) is None."""
 
     packed: PackedLinear | None = None
     quantizable = True  # False: kept in the model's dtype whatever the quantization (an MoE router)
@@ -44,23 +47,43 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("weight_scale", None)
+        self.register_parameter("weight_zero", None)
+        self.int4_group_size: int | None = None  # int4 layers: input columns per scale
 
-    def hold_quantized(self, dtype: torch.dtype) -> None:
-        """Room for a quantized checkpoint's q in ``dtype`` and its scales (the loader checks that the checkpoint
-        filled every part)."""
-        device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=device), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty((self.out_features, 1), device=device),
-                                         requires_grad=False)
+    def hold_quantized(self, quant: QuantConfig, name: str) -> None:
+        """Room for a quantized checkpoint's q and its scales (int4: and zero points), as ``quant`` stores layer
+        ``name`` (the loader checks that the checkpoint filled every part)."""
+        device, groups = self.weight.device, 1
+        if quant.method == "int4":
+            groups = quant.groups(self.in_features, name)
+            self.int4_group_size = self.in_features // groups
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=quant.weight_dtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty((self.out_features, groups), device=device), requires_grad=False)
+        if quant.method == "int4" and not quant.symmetric:
+            self.weight_zero = nn.Parameter(torch.empty((self.out_features, groups), dtype=torch.uint8, device=device),
+                                            requires_grad=False)
 
-    def quantize(self, method: QuantMethod) -> None:
+    def quantize(self, quant: QuantConfig, name: str) -> None:
         """Replaces the loaded weight by its quantized form (an LM head tied to the embedding gets its own)."""
-        q, scale = quantize(self.weight.detach(), method)
+        weight = self.weight.detach()
+        if quant.method == "int4":
+            self.int4_group_size = self.in_features // quant.groups(self.in_features, name)
+            q, scale, zero = int4.quantize(weight, self.int4_group_size, quant.symmetric)
+            self.weight_zero = None if zero is None else nn.Parameter(zero, requires_grad=False)
+        else:
+            q, scale = quantize(weight, quant.method)
         self.weight, self.weight_scale = (nn.Parameter(t, requires_grad=False) for t in (q, scale))
 
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the quantized one stands for, in ``dtype``."""
+        if self.weight.dtype == torch.uint8:
+            return int4.dequantize(self.weight, self.weight_scale, self.weight_zero, dtype)
+        return dequantize(self.weight, self.weight_scale, dtype)
+
     def dequantize(self, dtype: torch.dtype) -> None:
-        self.weight = nn.Parameter(dequantize(self.weight, self.weight_scale, dtype), requires_grad=False)
-        self.weight_scale = None
+        self.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
+        self.weight_scale = self.weight_zero = None
 
     def checkpoint_tensor(self, name: str, param: str, src, expected: list[int]) -> torch.Tensor | None:
         """A scale checkpoints store in another shape than ``expected`` ([rows, 1]): one per tensor (widened to
@@ -81,8 +104,10 @@ class Linear(nn.Linear):
         self.packed = ops.pack_linear(self.weight, self.bias, **self._scale())
 
     def _scale(self) -> dict:
-        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer (the packed kernels take no
-        fp8)."""
+        """pack_linear's ``scale`` (and ``quantize_activations``) for an int8 layer, ``scale`` and ``zero`` for a
+        4-bit one (the packed kernels take no fp8)."""
+        if self.weight_scale is not None and self.weight.dtype == torch.uint8:
+            return {"scale": self.weight_scale, "zero": self.weight_zero}
         if self.weight_scale is None or self.weight.dtype != torch.int8:
             return {}
         return {"scale": self.weight_scale, "quantize_activations": self.quantize_activations}
@@ -93,6 +118,8 @@ class Linear(nn.Linear):
     def unpacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
+        if self.weight.dtype == torch.uint8:
+            return F.linear(x, self.dequantized_weight(x.dtype), bias)
         return quantized_linear(x, self.weight, self.weight_scale, bias, self.quantize_activations)
 
 
@@ -145,6 +172,9 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
     def checkpoint_shard(self, param: str, part: int | None) -> Shard | None:
-        if param in ("bias", "weight_scale"):  # per output feature: every rank holds them all
+        if param in ("weight_scale", "weight_zero") and self.weight_scale.shape[1] > 1:  # int4 groups: split too
+            groups = self.weight_scale.shape[1]
+            return Shard(1, groups * self.tp.size, self.tp.rank * groups, groups)
+        if param in ("bias", "weight_scale", "weight_zero"):  # per output feature: every rank holds them all
             return None
         return Shard(1, self.in_features * self.tp.size, self.tp.rank * self.in_features, self.in_features)

@@ -23,10 +23,10 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # ARCH_CONFIGS entries these tests quantize, with the schemes each is tested in (the README's model table reads it).
 FLAG_ARCHS = ["qwen2", "qwen3", "phi3", "gemma2", "opt"]
 # The README's model table reads it (deepseek-v3: tests/engine/test_deepseek.py; gemma4-moe:
-# tests/engine/test_gemma4.py).
-QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8"), "qwen2-moe": ("int8",), "deepseek-v3": ("int8",),
-                   "gemma4-moe": ("int8",),
-                   **{arch: ("int8",) for arch in FLAG_ARCHS}}
+# tests/engine/test_gemma4.py; the hybrids: tests/engine/test_qwen3_next.py; int4: tests/engine/test_int4.py).
+QUANTIZED_ARCHS = {"llama": ("int8", "w8a8", "fp8", "int4", "int4-asym"), "qwen2-moe": ("int8", "int4"),
+                   "deepseek-v3": ("int8",), "gemma4-moe": ("int8",), "qwen3-next": ("int8",), "qwen3.5": ("int8",),
+                   **{arch: ("int8", "int4-asym") for arch in FLAG_ARCHS}}
 
 
 def ct_config(kind: str = "int", strategy: str = "channel", **weights) -> dict:
@@ -251,8 +251,9 @@ def edited(tmp_path, llama, config: dict | None = None, drop: str | None = None,
 
 
 BAD = {
-    "method": (dict(quant_method="gptq"), "quant_method 'gptq' is not supported"),
-    "bits": (dict(weights=dict(num_bits=4)), r"weights.num_bits = 4"),
+    "method": (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+    "bits": (dict(weights=dict(num_bits=2)), r"weights.num_bits = 2"),
+    "4 bits unpacked": (dict(weights=dict(num_bits=4)), r"format = 'int-quantized' is not supported"),
     "group": (dict(weights=dict(strategy="group", group_size=128)), r"weights.strategy = 'group'"),
     "asymmetric": (dict(weights=dict(symmetric=False)), r"weights.symmetric = False"),
     "packed": (dict(format="pack-quantized"), r"format = 'pack-quantized'"),

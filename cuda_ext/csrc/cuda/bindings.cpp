@@ -210,6 +210,36 @@ at::Tensor gelu_tanh_and_mul_cuda(const at::Tensor& x) {
   return act_and_mul_cuda(x, "gelu_tanh_and_mul", cuda::gelu_tanh_and_mul);
 }
 
+// The 4-bit layer packed on the host by pack_linear_weight_w4 and moved to the device (one layout for both).
+at::Tensor skinny_linear_w4_cuda(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                                 const at::Tensor& offsets, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_cuda(), "skinny_linear_w4: x must be a 2-D CUDA tensor, got ", x_in.sizes());
+  const int64_t panels = (out_features + 63) / 64;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(0) == panels &&
+                  packed.size(1) * 4 == x_in.size(1) && packed.size(2) == 128 && packed.is_contiguous(),
+              "skinny_linear_w4: packed weight ", packed.sizes(), " does not fit x ", x_in.sizes(), " and out_features ",
+              out_features, " (pack_linear_weight_w4)");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == panels && scales.size(2) == 64 && offsets.sizes() == scales.sizes()
+                  && scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat && scales.is_contiguous()
+                  && offsets.is_contiguous() && (packed.size(1) % scales.size(1)) == 0,
+              "skinny_linear_w4: scales and offsets must be contiguous fp32 [", panels, ", groups, 64]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == out_features, "skinny_linear_w4: bias must be [",
+                out_features, "] in x's dtype");
+  }
+  const c10::DeviceGuard guard(x.device());
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  const cuda::W4LinearArgs args{x.data_ptr(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                offsets.data_ptr<float>(), b.defined() ? b.data_ptr() : nullptr, y.data_ptr(),
+                                x.size(0), x.size(1), out_features, x.stride(0), y.stride(0),
+                                static_cast<int>(scales.size(1))};
+  check_cuda(cuda::w4_linear(args, dtype_of(x), current_stream(x.device())), "skinny_linear_w4");
+  return y;
+}
+
 // torch's own argmax is already parallel on the GPU.
 at::Tensor row_argmax_cuda(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "row_argmax: x must be [rows, n > 0], got ", x.sizes());
@@ -316,6 +346,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CUDA, m) {
   m.impl("swap_blocks", &swap_blocks_cuda);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_cuda);
   m.impl("rotary_embedding", &rotary_embedding_cuda);
+  m.impl("skinny_linear_w4", &skinny_linear_w4_cuda);
   m.impl("silu_and_mul", &silu_and_mul_cuda);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul_cuda);
   m.impl("row_argmax", &row_argmax_cuda);

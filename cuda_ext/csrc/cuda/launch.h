@@ -141,6 +141,19 @@ cudaError_t paged_attention(const AttentionArgs& args, Dtype dtype, KVCodes code
 cudaError_t paged_attention_split(const SplitAttentionArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t fused_add_rms_norm(const AddRmsNormArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t rotary_embedding(const RotaryArgs& args, Dtype dtype, cudaStream_t stream);
+// The 4-bit layer of cpu/skinny_w4.cpp's layout (w4_kernels.cu); x, bias and y in the activations' dtype.
+struct W4LinearArgs {
+  const void* x;
+  const uint8_t* packed;  // [panels, k / 4, 128]
+  const float* scales;  // [panels, groups, 64]
+  const float* offsets;  // zero * scale, as scales
+  const void* bias;  // [n] or null
+  void* y;  // [rows, n]
+  int64_t rows, k, n, x_stride, y_stride;
+  int groups;
+};
+
+cudaError_t w4_linear(const W4LinearArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t silu_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t gelu_tanh_and_mul(const ActAndMulArgs& args, Dtype dtype, cudaStream_t stream);
 cudaError_t apply_token_bitmask(const TokenBitmaskArgs& args, Dtype dtype, cudaStream_t stream);
