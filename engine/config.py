@@ -74,6 +74,9 @@ class EngineConfig:
                                               "model's tokenizer")
     ngram_prompt_lookup_max: int = spec(4, low=1, help="longest suffix n-gram the ngram proposer looks up")
     ngram_prompt_lookup_min: int = spec(2, low=1, help="shortest suffix n-gram the ngram proposer looks up")
+    encoder_cache_tokens: int = spec(16384, low=1, help="image embedding rows the encoder cache keeps "
+                                                       "(vision-language models; an image's rows stay while a step "
+                                                       "needs them)")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:

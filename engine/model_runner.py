@@ -16,6 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KV_SCALE_DTYPE
 from engine.layers.attention import AttentionMetadata
 from engine.models.layer_kv import KVPoolGroup, pool_groups
+from engine.multimodal.step import ImageStep, StepImages
 from engine.resolved_config import ResolvedConfig
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
 
@@ -38,6 +39,7 @@ class Batch:
     # the step, in schedule order. Rank 0's only (the hidden states are whole on every rank).
     pool_rows: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
     pool_segments: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
+    images: StepImages | None = None  # the step's image rows and M-RoPE positions (engine/multimodal/step.py)
 
 
 @dataclass(slots=True)
@@ -95,6 +97,7 @@ class ModelRunner:
             attn.bind(ops, *views[layer.source])
         self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
         self.graphs: DecodeGraphs | None = None
+        self.images: ImageStep | None = None  # a vision-language model's, set by the engine (engine/multimodal)
         self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
         if config.decode_graphs:
             self.enable_decode_graphs()
@@ -125,6 +128,8 @@ class ModelRunner:
 
     def plan(self, out: SchedulerOutput) -> StepPlan:
         batch = self._prepare(out.scheduled) if out.scheduled else None
+        if batch is not None and self.images is not None:  # images: M-RoPE positions, placeholder rows
+            batch.images = self.images.plan(out.scheduled, batch.positions)
         return StepPlan(_mapping(out.blocks_to_swap_out), _mapping(out.blocks_to_swap_in),
                         _mapping(out.blocks_to_copy), batch)
 
@@ -155,13 +160,16 @@ class ModelRunner:
         device; the inputs reach a CUDA device in one copy, then take ``fill``'s tokens."""
         step, m = StepTensors(b.input_ids, b.positions, b.meta, b.sample_rows), b.meta
         width = m.block_tables.shape[1]
-        if (self.graphs is not None and not b.prompt_rows.numel() and not b.pool_rows.numel()
+        if (self.graphs is not None and not b.prompt_rows.numel() and not b.pool_rows.numel() and b.images is None
                 and self.graphs.accepts(len(m.seq_lens), m.max_query_len, width)):
             return self.graphs.forward(step, fill)
         if self.device.type != "cpu":
             step = self.inputs.load(StepLayout(len(b.input_ids), len(m.seq_lens), width, len(b.sample_rows)), step)
         if fill is not None:
             fill.apply(step.input_ids)
+        if b.images is not None:  # images: their embeddings at the placeholder rows, M-RoPE
+            return self.model(step.input_ids, step.positions, step.meta,
+                              images=self.images.inputs(b.images, self.device)), step.sample_rows
         return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:

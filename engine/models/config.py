@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.layer_kv import LayerKV, gemma4_layer_kv, mla_layer_kv, uniform_layer_kv
+from engine.multimodal.config import lift_text_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Gemma (and gpt-oss) checkpoints written before transformers listed ``layer_types``: every n-th layer is global,
@@ -115,7 +116,7 @@ def _read_config_json(path: str) -> dict:
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
     with open(config_file, encoding="utf-8") as f:
-        return json.load(f)
+        return lift_text_config(json.load(f))  # a vision-language checkpoint's text settings where text-only ones are
 
 
 def _eos_ids(path: str, hf: dict) -> list[int]:
