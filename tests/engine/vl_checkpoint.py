@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 VOCAB = 300
 IMAGE, VIDEO, VISION_START, VISION_END, IM_START, IM_END = range(290, 296)
@@ -53,6 +53,7 @@ def build_vl_checkpoint(folder) -> transformers.PreTrainedModel:
     vocab = {p: i for i, p in enumerate(chars + [f"<x{i}>" for i in range(IMAGE - len(chars))])}
     tok = Tokenizer(models.WordLevel(vocab | {s: IMAGE + i for i, s in enumerate(SPECIALS)}, unk_token="<x0>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters decode back to the text, without spaces between
     tok.add_special_tokens(SPECIALS)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
     return model

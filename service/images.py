@@ -1,0 +1,89 @@
+"""A chat's images at the gateway: checked against the limits when the request is parsed (count, URL kind, encoded
+size, a text-only model), then decoded and preprocessed once, on the tokenizer threads, with the checkpoint's own
+image processor; their patches travel to the engine with the request (service/messages.py). Every failure is a
+400 (413 over a size limit) naming the part, before anything is queued."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from engine.multimodal.config import VisionSpec
+from engine.multimodal.inputs import ImagePatches
+from engine.multimodal.media import ImageError, decode_data_url
+from engine.multimodal.processor import ImageProcessor, expand_image_tokens
+from service.config import GatewayConfig
+from service.errors import APIError
+
+
+def image_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The image parts of parsed messages (service/protocol.py ``parse_content_parts``), in prompt order."""
+    for message in messages:
+        if isinstance(message["content"], list):
+            yield from (p for p in message["content"] if p["type"] == "image")
+
+
+class GatewayImages:
+    def __init__(self, config: GatewayConfig, model_path: str | None) -> None:
+        self.config = config
+        self.spec = _vision_spec(model_path)
+        self._processor: ImageProcessor | None = None
+        self._path = model_path
+
+    def check(self, messages: list[dict[str, Any]]) -> None:
+        """The limits that need no decoding: the model takes images, how many, data URLs only, encoded size."""
+        parts = list(image_parts(messages))
+        if not parts:
+            return
+        if self.spec is None:
+            raise APIError(400, "this model is text-only: it takes no images", param=parts[0]["param"])
+        if len(parts) > self.config.max_images_per_request:
+            raise APIError(400, f"{len(parts)} images, more than the {self.config.max_images_per_request} a request "
+                                "may hold (max_images_per_request)", param="messages")
+        for part in parts:
+            url = part["url"]
+            if url.startswith(("http://", "https://")):
+                raise APIError(400, "image URLs are not fetched by this server: send the image as a data URL "
+                                    "(data:image/png;base64,...)", param=part["param"])
+            if not url.startswith("data:"):
+                raise APIError(400, "an image_url must be a data URL (data:image/png;base64,...)",
+                               param=part["param"])
+            if len(url) * 3 // 4 > self.config.max_image_bytes + 64:  # base64 and the header, before any decoding
+                raise APIError(413, f"the image is over the {self.config.max_image_bytes}-byte limit "
+                                    "(max_image_bytes)", param=part["param"])
+
+    def patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
+        """Each image decoded and preprocessed (on a tokenizer thread): ImageError as the part's 400 / 413."""
+        images = []
+        for part in image_parts(messages):
+            try:
+                images.append(decode_data_url(part["url"], self.config.max_image_bytes,
+                                              self.config.max_image_pixels))
+            except ImageError as exc:
+                raise APIError(exc.status, str(exc), param=part["param"]) from None
+        if not images:
+            return []
+        if self._processor is None:
+            self._processor = ImageProcessor(self._path)
+        return self._processor(images)
+
+    def expand(self, ids: list[int], patches: list[ImagePatches]) -> list[int]:
+        """The prompt with one placeholder token per embedding row of each image (the template wrote one)."""
+        if self.spec is None:
+            return ids
+        try:
+            return expand_image_tokens(ids, patches, self.spec)
+        except ValueError as exc:
+            raise APIError(400, f"{exc} (the chat template must write one image placeholder per image part)",
+                           param="messages") from None
+
+
+def _vision_spec(model_path: str | None) -> VisionSpec | None:
+    if model_path is None:
+        return None
+    config_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file, encoding="utf-8") as f:
+        return VisionSpec.from_hf(json.load(f))
