@@ -74,6 +74,9 @@ class EngineConfig:
                                               "model's tokenizer")
     ngram_prompt_lookup_max: int = spec(4, low=1, help="longest suffix n-gram the ngram proposer looks up")
     ngram_prompt_lookup_min: int = spec(2, low=1, help="shortest suffix n-gram the ngram proposer looks up")
+    max_num_encoder_tokens: int | None = spec(low=1, help="image embedding rows the vision tower encodes per step "
+                                                          "(default: max_num_batched_tokens; a larger image runs "
+                                                          "in a step of its own)")
     encoder_cache_tokens: int = spec(16384, low=1, help="image embedding rows the encoder cache keeps "
                                                        "(vision-language models; an image's rows stay while a step "
                                                        "needs them)")

@@ -22,6 +22,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.core.speculation import Speculation
 from engine.distributed.executor import create_executor
 from engine.multimodal.config import VisionSpec
+from engine.multimodal.encoder_budget import EncoderBudget
 from engine.multimodal.images import RequestImages
 from engine.multimodal.inputs import ImagePatches
 from engine.outputs import RequestOutput, ResumeState
@@ -61,6 +62,8 @@ class LLMEngine:
         self.images = RequestImages(VisionSpec.from_hf(self.config.model_config.hf), self.config.model_config.architecture)
         if self.images.spec is not None:  # the runner's step splices the encoder cache's embeddings
             self.runner.images = self.images.step(self.runner.model, config.encoder_cache_tokens)
+            self.scheduler.encoder_budget = EncoderBudget(
+                config.max_num_encoder_tokens or config.max_num_batched_tokens, self.runner.images.cache)
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,

@@ -59,6 +59,7 @@ from engine.core.request_output import request_output, with_new_tokens
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.core.speculation import Speculation, SpecTarget
+from engine.multimodal.encoder_budget import EncoderBudget
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -138,6 +139,7 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self.num_prompt_tokens = 0  # of every group added
         self.num_generated_tokens = 0
+        self.encoder_budget: EncoderBudget | None = None  # a vision-language model's, set by the engine
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
@@ -261,6 +263,8 @@ class Scheduler:
         if self.grammar is not None and self.grammar.compiling:
             self._admit_compiled()
         out = SchedulerOutput()
+        if self.encoder_budget is not None:  # images: a fresh encoder budget per step
+            self.encoder_budget.new_step()
         while self.suspects and self._caught_up(self.suspects[0]):
             self.suspects.popleft()  # its solo steps succeeded: back to normal batching
         if self.suspects:
@@ -605,6 +609,8 @@ class Scheduler:
                                                                                           group.cache_salt)
             start = len(hits) * bs
             num_new = self._chunk(seq.num_tokens - start, left)
+            if self.encoder_budget is not None:  # images: the chunk's encoder runs fit the encoder budget
+                num_new = self.encoder_budget.clip(group, start, num_new)
             admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
             if num_new:
                 plan.append(ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
@@ -633,6 +639,8 @@ class Scheduler:
             if not remaining:
                 continue  # a beam candidate waiting for its siblings' distributions
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
+            if self.encoder_budget is not None:  # images: the chunk's encoder runs fit the encoder budget
+                num_new = self.encoder_budget.clip(group, start, num_new)
             if num_new <= 0:
                 break
             s = ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,

@@ -29,6 +29,8 @@ SCENARIOS = {
     # 16-token chunks split the placeholder runs: one image's embeddings reach the step in pieces.
     "chunked": dict(max_num_batched_tokens=16, enable_chunked_prefill=True),
     "prefix": dict(enable_prefix_caching=True),
+    # Images of 20, 20, 12 and 24 rows: no two of the first three prompts' images are encoded in one step.
+    "encoder-budget": dict(max_num_encoder_tokens=24, enable_prefix_caching=False),
 }
 
 
@@ -65,7 +67,10 @@ def test_the_images_decide_the_reference(reference):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_matches_transformers(vl, reference, scenario, backend):
     llm = make_llm(vl[0], backend, **SCENARIOS[scenario])
+    encoded = _record_encoder_calls(llm)
     assert generate(llm, PROMPTS) == reference
+    budget = llm.engine.scheduler.encoder_budget.limit
+    assert all(sum(rows) <= budget or len(rows) == 1 for rows in encoded)
     cache, stats = llm.engine.runner.images.cache, llm.engine.stats()
     assert cache.misses == 4  # each distinct image encoded once, however its prompt was chunked or preempted
     if scenario == "recompute":
@@ -74,6 +79,28 @@ def test_greedy_matches_transformers(vl, reference, scenario, backend):
         assert generate(llm, PROMPTS) == reference  # the prompts' full blocks now come from the prefix cache
         assert llm.engine.stats().prefix_cache_hits_total > 0
     assert llm.engine.stats().num_blocks_free == stats.num_blocks_total
+
+
+def _record_encoder_calls(llm: LLM) -> list[list[int]]:
+    """Each vision tower call's images' row counts, from now on."""
+    cache, calls = llm.engine.runner.images.cache, []
+    encode = cache.encode
+
+    def recorded(images):
+        out = encode(images)
+        calls.append([len(e) for e in out])
+        return out
+
+    cache.encode = recorded
+    return calls
+
+
+def test_encoder_budget_splits_the_encoding_across_steps(vl, reference):
+    llm = make_llm(vl[0], **SCENARIOS["encoder-budget"])
+    encoded = _record_encoder_calls(llm)
+    assert generate(llm, PROMPTS[:3]) == reference[:3]
+    assert sorted(rows for call in encoded for rows in call) == [12, 20, 20] and len(encoded) >= 2
+    assert all(sum(call) <= 24 for call in encoded)
 
 
 def test_prefix_cache_keys_blocks_by_their_images(vl, reference):

@@ -38,6 +38,9 @@ def vl_config() -> transformers.Qwen2_5_VLConfig:
                                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
+VL_CONFIGS = {"qwen2.5-vl": vl_config}  # the model table's (tests/model_table.py)
+
+
 def build_vl_checkpoint(folder) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(vl_config(), dtype=torch.float32,
