@@ -4,6 +4,7 @@ anything is queued."""
 from __future__ import annotations
 
 
+import anthropic
 import openai
 import pytest
 import torch
@@ -45,21 +46,43 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
+def transformers_answer(vl, img: Image.Image) -> tuple[str, int]:
+    """transformers' greedy answer to "Look: <image> what?" as one user message, and its prompt's tokens."""
     path, model = vl
-    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " what?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    expected = hf_vl_greedy(model, path, text, [img], MAX_TOKENS)
+    prompt_tokens = len(tokenizer(text).input_ids) - 1 + (img.width // 16) * (img.height // 16)
+    return tokenizer.decode(expected, skip_special_tokens=True), prompt_tokens
+
+
+def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
     for img in (image(7), image(8, 48, 96)):  # two images, the same text: two answers, each transformers'
         out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "}, image_part(data_url(img)),
-                                                    {"type": "text", "text": " what?"}),
-                                             extra_body={"ignore_eos": True})
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"},
-                                          {"type": "text", "text": " what?"}]}],
-            tokenize=False, add_generation_prompt=True)
-        expected = hf_vl_greedy(model, path, text, [img], MAX_TOKENS)
-        assert out.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
-        assert out.usage.prompt_tokens == len(tokenizer(text).input_ids) - 1 + (img.width // 16) * (img.height // 16)
+                                                    {"type": "text", "text": " what?"}))
+        assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, img)
+
+
+def test_responses_input_image_and_messages_image_block_equal_transformers(vl, vl_stack):
+    img = image(9)
+    expected, _ = transformers_answer(vl, img)
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    response = client.responses.create(model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                     {"type": "input_image", "image_url": data_url(img)},
+                                     {"type": "input_text", "text": " what?"}]}])
+    assert response.output_text == expected
+    messages = anthropic.Anthropic(base_url=vl_stack.url, api_key=API_KEY, max_retries=0)
+    data = data_url(img).split(",", 1)[1]
+    answer = messages.messages.create(model=MODEL_NAME, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}},
+                                     {"type": "text", "text": " what?"}]}])
+    assert answer.content[0].text == expected
 
 
 @pytest.mark.parametrize("part, status, param, message", [
