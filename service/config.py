@@ -127,6 +127,12 @@ class GatewayConfig:
     max_image_bytes: int = spec(8 << 20, low=1, help="largest image accepted, encoded (413 above; the request "
                                                      "body must fit max_body_bytes too)")
     max_image_pixels: int = spec(16 << 20, low=1, help="largest image accepted, width x height (413 above)")
+    allowed_media_domains: tuple[str, ...] = spec((), flag="--allowed-media-domains",
+                                                  help="host whose http(s) image URLs the gateway fetches (no "
+                                                       "redirects, bounded by max_image_bytes), repeatable; none: "
+                                                       "only data URLs")
+    media_fetch_timeout_s: float = spec(10.0, low=0, low_open=True, flag="--media-fetch-timeout",
+                                        help="seconds an image URL's fetch may take")
     # Compiling a schema takes time and memory proportional to its size; this bounds both.
     max_structured_output_chars: int = spec(64 << 10, low=1, help="largest JSON schema / regex / grammar / "
                                                                    "choice list accepted, in characters")

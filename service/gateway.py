@@ -87,6 +87,7 @@ class Gateway:
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages if req.chat else None, req.tools, req.prompts, self.served.context_len())
         self.images.check(req.messages)
+        await self.images.fetch(req.messages)  # --allowed-media-domains' image URLs
         check_tool_parser(req.tools, self.config.tool_call_parser)
         await self._check_structured_output(http, req)
 

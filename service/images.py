@@ -4,14 +4,18 @@ image processor; their patches travel to the engine with the request (service/me
 400 (413 over a size limit) naming the part, before anything is queued."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
 
 from engine.multimodal.config import VisionSpec
 from engine.multimodal.inputs import ImagePatches
-from engine.multimodal.media import ImageError, decode_data_url
+from engine.multimodal.media import IMAGE_FORMATS, ImageError, decode_data_url, open_image
 from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from service.config import GatewayConfig
 from service.errors import APIError
@@ -44,8 +48,11 @@ class GatewayImages:
         for part in parts:
             url = part["url"]
             if url.startswith(("http://", "https://")):
-                raise APIError(400, "image URLs are not fetched by this server: send the image as a data URL "
-                                    "(data:image/png;base64,...)", param=part["param"])
+                if urlsplit(url).hostname not in self.config.allowed_media_domains:
+                    raise APIError(400, f"image URLs from {urlsplit(url).hostname!r} are not fetched by this server "
+                                        "(--allowed-media-domains): send the image as a data URL "
+                                        "(data:image/png;base64,...)", param=part["param"])
+                continue
             if not url.startswith("data:"):
                 raise APIError(400, "an image_url must be a data URL (data:image/png;base64,...)",
                                param=part["param"])
@@ -53,13 +60,47 @@ class GatewayImages:
                 raise APIError(413, f"the image is over the {self.config.max_image_bytes}-byte limit "
                                     "(max_image_bytes)", param=part["param"])
 
+    async def fetch(self, messages: list[dict[str, Any]]) -> None:
+        """Each allowed http(s) image URL fetched (``check`` has passed): its bytes and MIME type join the part."""
+        parts = [p for p in image_parts(messages) if p["url"].startswith(("http://", "https://"))]
+        if not parts:
+            return
+        timeout = aiohttp.ClientTimeout(total=self.config.media_fetch_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for part in parts:
+                part["fetched"] = await self._fetch(session, part)
+
+    async def _fetch(self, session: aiohttp.ClientSession, part: dict[str, Any]) -> tuple[bytes, str]:
+        limit, param = self.config.max_image_bytes, part["param"]
+        try:
+            async with session.get(part["url"], allow_redirects=False) as response:
+                if response.status != 200:
+                    raise APIError(400, f"fetching the image answered HTTP {response.status}", param=param)
+                if response.content_type not in IMAGE_FORMATS:
+                    raise APIError(400, f"unsupported image type {response.content_type!r} (accepted: image/png, "
+                                        "image/jpeg, image/webp)", param=param)
+                raw = bytearray()
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > limit:
+                        break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise APIError(400, f"the image could not be fetched: {exc!r}", param=param) from None
+        if len(raw) > limit:
+            raise APIError(413, f"the image is over the {limit}-byte limit (max_image_bytes)", param=param)
+        return bytes(raw), response.content_type
+
     def patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
         """Each image decoded and preprocessed (on a tokenizer thread): ImageError as the part's 400 / 413."""
         images = []
         for part in image_parts(messages):
             try:
-                images.append(decode_data_url(part["url"], self.config.max_image_bytes,
-                                              self.config.max_image_pixels))
+                if "fetched" in part:
+                    raw, mime = part["fetched"]
+                    images.append(open_image(raw, IMAGE_FORMATS[mime], self.config.max_image_pixels))
+                else:
+                    images.append(decode_data_url(part["url"], self.config.max_image_bytes,
+                                                  self.config.max_image_pixels))
             except ImageError as exc:
                 raise APIError(exc.status, str(exc), param=part["param"]) from None
         if not images:

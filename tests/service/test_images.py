@@ -4,6 +4,10 @@ anything is queued."""
 from __future__ import annotations
 
 
+import http.server
+import io
+import threading
+
 import anthropic
 import openai
 import pytest
@@ -31,7 +35,8 @@ def vl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vl_stack(vl):
-    flags = ("--max-image-bytes", "40000", "--max-image-pixels", "40000", "--max-images-per-request", "2")
+    flags = ("--max-image-bytes", "40000", "--max-image-pixels", "40000", "--max-images-per-request", "2",
+             "--allowed-media-domains", "127.0.0.1")
     with local_stack(vl[0], num_workers=1, num_gateways=1, gateway_flags=flags) as stack:
         stack.wait_ready(START_TIMEOUT_S)
         yield stack
@@ -64,6 +69,43 @@ def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
         out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "}, image_part(data_url(img)),
                                                     {"type": "text", "text": " what?"}))
         assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, img)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server with one PNG at /a.png (the stack's gateway may fetch from 127.0.0.1)."""
+    buf = io.BytesIO()
+    image(10).save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/a.png"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/png" if found else "text/plain")
+            self.end_headers()
+            self.wfile.write(png if found else b"no")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_allowed_domains_image_url_is_fetched(vl, vl_stack, image_host):
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "},
+                                                image_part(f"http://{image_host}/a.png"),
+                                                {"type": "text", "text": " what?"}))
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, image(10))
+    for url, message in ((f"http://{image_host}/b.png", "HTTP 404"),
+                         (f"http://localhost:{image_host.split(':')[1]}/a.png", "not fetched")):
+        code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat(image_part(url)))
+        assert code == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
+        assert message in body["error"]["message"]
 
 
 def test_responses_input_image_and_messages_image_block_equal_transformers(vl, vl_stack):
