@@ -26,7 +26,8 @@ from engine.stats import EngineStats
 # carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
 # 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size; 8: a RequestMsg carries its tenant,
 # a KV snapshot's requests theirs; 9: a RequestMsg may carry pooling (an embedding request), events an embedding;
-# 10: a RequestMsg may carry images (each one's patches as float32 bytes, their shape and grid: ``images_to_wire``)
+# 10: a RequestMsg may carry images (each one's patches as float32 bytes, their shape and grid: ``images_to_wire``),
+# a KV snapshot's requests the blocks holding image tokens
 SCHEMA_VERSION = 10
 
 T = TypeVar("T")
@@ -197,8 +198,8 @@ class Heartbeat:
 class KVSnapshotMsg:
     """An engine's KV snapshot (``engine.core.kv_snapshot``), published while a dashboard watches. Each pool
     is a map of per-block arrays as raw little-endian bytes (``POOL_ARRAYS``: name -> dtype), each request
-    ``[request_id, state, num_seqs, block ids as <u4 bytes, tenant]``: a few bytes a block, whatever the pool
-    size."""
+    ``[request_id, state, num_seqs, block ids as <u4 bytes, tenant, image block ids as <u4 bytes]``: a few bytes a
+    block, whatever the pool size."""
 
     engine_id: str
     model: str
@@ -216,7 +217,7 @@ POOL_ARRAYS = {"state": "<u1", "ref_count": "<u2", "owner": "<u2", "filled": "<u
 def kv_snapshot_msg(engine_id: str, model: str, snap: KVSnapshot, tenants: dict[str, str]) -> KVSnapshotMsg:
     """``tenants``: each request's tenant (RequestMsg.tenant), so a gateway can hide other tenants' ids."""
     rows = [[r.request_id, r.state, r.num_seqs, np.asarray(r.block_ids, "<u4").tobytes(),
-             tenants.get(r.request_id, "")] for r in snap.requests]
+             tenants.get(r.request_id, ""), np.asarray(r.image_block_ids, "<u4").tobytes()] for r in snap.requests]
     return KVSnapshotMsg(engine_id=engine_id, model=model, time=snap.time, block_size=snap.block_size,
                          device=_pool_wire(snap.device), cpu=_pool_wire(snap.cpu), requests=rows, stats=snap.stats)
 
@@ -235,8 +236,8 @@ def decode_kv_snapshot(payload: bytes) -> KVSnapshotMsg:
                   for name, dtype in POOL_ARRAYS.items()]
         if len(set(counts)) != 1 or counts[0] < 0 or not counts[0].is_integer():
             raise SchemaError("a KVSnapshotMsg pool's arrays are not one entry per block")
-    if not all(isinstance(r, list) and len(r) == 5 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
-               and isinstance(r[4], str) for r in msg.requests):
+    if not all(isinstance(r, list) and len(r) == 6 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
+               and isinstance(r[4], str) and isinstance(r[5], bytes) and len(r[5]) % 4 == 0 for r in msg.requests):
         raise SchemaError("malformed KVSnapshotMsg requests")
     return msg
 

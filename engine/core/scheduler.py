@@ -59,6 +59,7 @@ from engine.core.request_output import request_output, with_new_tokens
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.core.speculation import Speculation, SpecTarget
+from engine.multimodal.block_keys import ImageBlockKeys, image_block_ids
 from engine.multimodal.encoder_budget import EncoderBudget
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import SamplerOutput
@@ -789,7 +790,10 @@ class Scheduler:
                   + [(g, "waiting") for g in islice(self.waiting, MAX_WAITING_LISTED)])[:NO_OWNER]
         seq_ids = [[s.seq_id for s in g.unfinished_seqs()] for g, _ in listed]
         pools = self.kv.snapshot(seq_ids)
-        requests = [SnapshotRequest(g.request_id, state, len(ids), blocks)
+        bs = self.kv.block_size
+        requests = [SnapshotRequest(g.request_id, state, len(ids), blocks,
+                                    image_block_ids=image_block_ids(g.cache_salt.spans, blocks, bs)  # images
+                                    if isinstance(g.cache_salt, ImageBlockKeys) else [])
                     for (g, state), ids, blocks in zip(listed, seq_ids, pools.blocks)]
         return KVSnapshot(time=time.time(), block_size=self.kv.block_size, device=pools.device, cpu=pools.cpu,
                           requests=requests, stats=stats)

@@ -24,3 +24,11 @@ class ImageBlockKeys:
             return self.salt
         salt = self.salt or b""
         return b"".join([b"img", len(salt).to_bytes(4, "little"), salt, *shown])  # the salt length-prefixed
+
+
+def image_block_ids(spans: ImageBlockKeys.Spans, blocks: list[int], block_size: int) -> list[int]:
+    """Of a request's blocks (its first sequence's table first, as the KV snapshot lists them), those its images'
+    placeholder tokens fill (the dashboard marks them)."""
+    shown = {j for offset, length, _ in spans for j in range(offset // block_size, (offset + length - 1)
+                                                                 // block_size + 1)}
+    return [block for j, block in enumerate(blocks) if j in shown]

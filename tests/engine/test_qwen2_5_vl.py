@@ -8,6 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.multimodal.block_keys import ImageBlockKeys
 from engine.multimodal.inputs import ImagePatches
+from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from .conftest import TEST_DEVICE, backends
 from .vl_checkpoint import PLACEHOLDER, build_vl_checkpoint, data_url, hf_vl_greedy, image
 
@@ -114,6 +115,18 @@ def test_prefix_cache_keys_blocks_by_their_images(vl, reference):
     prompt_len = len(outputs[0].prompt_token_ids)
     assert outputs[0].num_cached_tokens == (prompt_len - 1) // 16 * 16 > 0
     assert outputs[1].num_cached_tokens == 0  # its first block already holds image tokens
+
+
+def test_kv_snapshot_marks_the_blocks_holding_image_tokens(vl):
+    llm = make_llm(vl[0], enable_prefix_caching=False)
+    text, images = PROMPTS[0]  # "Hi " and vision_start, then 20 image tokens: positions 4 to 23, blocks 0 and 1
+    patches = ImageProcessor(vl[0])(images)
+    ids = expand_image_tokens(llm.tokenizer(text).input_ids, patches, llm.engine.images.spec)
+    llm.engine.add_request("r", ids, GREEDY, images=patches)
+    llm.engine.step()
+    [request] = llm.engine.kv_snapshot().requests
+    assert len(request.block_ids) == 3 and request.image_block_ids == request.block_ids[:2]
+    llm.engine.abort_request("r")
 
 
 def test_block_keys_join_only_the_blocks_an_image_fills():
