@@ -20,7 +20,7 @@ from loadtest.bench_offline import MODELS
 from tests.engine.conftest import ARCH_CONFIGS
 from tests.engine.test_quantization import QUANTIZED_ARCHS
 from tests.engine.test_tensor_parallel import TP_ARCHS
-from tests.engine.vl_checkpoint import VL_CONFIGS
+from loadtest.vl_checkpoint import VL_CONFIGS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- model-table:begin -->", "<!-- model-table:end -->"

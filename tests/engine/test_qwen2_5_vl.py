@@ -10,7 +10,7 @@ from engine.multimodal.block_keys import ImageBlockKeys
 from engine.multimodal.inputs import ImagePatches
 from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from .conftest import TEST_DEVICE, backends
-from .vl_checkpoint import PLACEHOLDER, build_vl_checkpoint, data_url, hf_vl_greedy, image
+from loadtest.vl_checkpoint import PLACEHOLDER, build_vl_checkpoint, data_url, hf_vl_greedy, image
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -19,7 +19,7 @@ from engine.multimodal.inputs import ImagePatches
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
-from tests.engine.vl_checkpoint import build_vl_checkpoint, data_url, hf_vl_greedy, image
+from loadtest.vl_checkpoint import build_vl_checkpoint, data_url, hf_vl_greedy, image
 from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, local_stack,
                                     post_json)
 

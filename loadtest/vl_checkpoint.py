@@ -1,6 +1,6 @@
-"""A tiny random-weight Qwen2.5-VL checkpoint built locally: its image processor (Qwen2VLImageProcessor, 8-pixel
-patches) and a character tokenizer with Qwen's special tokens and a Qwen-style chat template beside it; and the
-transformers fp32 greedy reference on (prompt, images)."""
+"""A random-weight Qwen2.5-VL checkpoint built locally (the tests' tiny one, or bench_vision's larger one): its image
+processor (Qwen2VLImageProcessor, 8-pixel patches) and a character tokenizer with Qwen's special tokens and a
+Qwen-style chat template beside it; and transformers' greedy generation on (prompt, images), the reference."""
 from __future__ import annotations
 
 import base64
@@ -23,16 +23,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def vl_config() -> transformers.Qwen2_5_VLConfig:
-    """Two text layers (head_dim 64, M-RoPE sections 8/12/12), a two-block tower (block 1 full attention, block 0
-    in 32-pixel windows: 2 x 2 merged cells)."""
-    text = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                intermediate_size=256, max_position_embeddings=512, initializer_range=0.3, bos_token_id=None,
-                eos_token_id=None, pad_token_id=0,
+def vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: int = 32
+              ) -> transformers.Qwen2_5_VLConfig:
+    """By default two text layers (head_dim 64, M-RoPE sections 8/12/12), a two-block tower (the last block full
+    attention, the others in 32-pixel windows: 2 x 2 merged cells)."""
+    text = dict(vocab_size=VOCAB, hidden_size=64 * heads, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=1, intermediate_size=128 * heads, max_position_embeddings=2048,
+                initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=32, out_hidden_size=128, fullatt_block_indexes=[1],
-                  initializer_range=0.3)
+    vision = dict(depth=depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                  out_hidden_size=64 * heads, fullatt_block_indexes=[depth - 1], initializer_range=0.3)
     return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
                                          video_token_id=VIDEO, vision_start_token_id=VISION_START,
                                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
@@ -41,9 +42,9 @@ def vl_config() -> transformers.Qwen2_5_VLConfig:
 VL_CONFIGS = {"qwen2.5-vl": vl_config}  # the model table's (tests/model_table.py)
 
 
-def build_vl_checkpoint(folder) -> transformers.PreTrainedModel:
+def build_vl_checkpoint(folder, config: transformers.Qwen2_5_VLConfig | None = None) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(vl_config(), dtype=torch.float32,
+    model = transformers.AutoModelForImageTextToText.from_config(config or vl_config(), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     with torch.no_grad():  # the tower's norms start at 1: drawn, so they count
         for name, param in model.named_parameters():
