@@ -59,7 +59,8 @@ class LLMEngine:
         self.speculator: Speculator | None = make_speculator(config, self.config)
         self._scheduled_at = 0.0  # when the latest step was scheduled (the verification time of its step)
         self.pooler_config = PoolerConfig.from_model_dir(self.config.model_config.path)
-        self.images = RequestImages(VisionSpec.from_hf(self.config.model_config.hf), self.config.model_config.architecture)
+        model_config = self.config.model_config
+        self.images = RequestImages(VisionSpec.from_hf(model_config.hf), model_config.architecture)
         if self.images.spec is not None:  # the runner's step splices the encoder cache's embeddings
             self.runner.images = self.images.step(self.runner.model, config.encoder_cache_tokens)
             self.scheduler.encoder_budget = EncoderBudget(

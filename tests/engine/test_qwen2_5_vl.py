@@ -32,6 +32,10 @@ SCENARIOS = {
     "prefix": dict(enable_prefix_caching=True),
     # Images of 20, 20, 12 and 24 rows: no two of the first three prompts' images are encoded in one step.
     "encoder-budget": dict(max_num_encoder_tokens=24, enable_prefix_caching=False),
+    # The next step planned while this one runs: M-RoPE positions and splices on the plan, encoding on the run.
+    "async": dict(async_scheduling=True),
+    # n-gram drafts verified after image prompts: their rows' positions are past the prompt (index + delta).
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=3, ngram_prompt_lookup_min=1),
 }
 
 
