@@ -80,6 +80,12 @@ class EngineConfig:
     num_state_snapshots: int | None = spec(low=0, help="hybrid recurrent-state models (Qwen3-Next, Qwen3.5): "
                                                         "state snapshots kept for prefix-cache hits, each as "
                                                         "large as one sequence's state (default: max_num_seqs)")
+    max_num_encoder_tokens: int | None = spec(low=1, help="image embedding rows the vision tower encodes per step "
+                                                          "(default: max_num_batched_tokens; a larger image runs "
+                                                          "in a step of its own)")
+    encoder_cache_tokens: int = spec(16384, low=1, help="image embedding rows the encoder cache keeps "
+                                                       "(vision-language models; an image's rows stay while a step "
+                                                       "needs them)")
     show_progress: bool = True  # LLM.generate's progress bar; a server shows none
 
     def __post_init__(self) -> None:

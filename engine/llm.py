@@ -8,9 +8,14 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.multimodal.chat import split_images
+from engine.multimodal.inputs import ImagePatches
+from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from engine.outputs import BeamSearchOutput, BeamSequence, CompletionOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | dict  # text, or {"prompt": text, "multi_modal_data": {"image": ...}}
 
 
 class LLM:
@@ -28,28 +33,47 @@ class LLM:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer)
         self._request_ids = itertools.count()
+        self._image_processor: ImageProcessor | None = None  # read on the first image
 
-    def generate(self, prompts: str | list[str] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """``priority``: one per prompt, lower first (as vLLM's)."""
-        token_lists, texts = self._prompts(prompts, prompt_token_ids)
+        """``priority``: one per prompt, lower first (as vLLM's). A prompt may be vLLM's
+        ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` (PIL images; the text holds one
+        image placeholder, e.g. Qwen2.5-VL's ``<|vision_start|><|image_pad|><|vision_end|>``, per image)."""
+        token_lists, texts, images = self._prompts(prompts, prompt_token_ids)
         params = _broadcast(sampling_params, len(token_lists))
         priorities = priority if priority is not None else [0] * len(token_lists)
         if len(priorities) != len(token_lists):
             raise ValueError(f"{len(priorities)} priorities for {len(token_lists)} prompts")
-        results = self._run_all(token_lists, params, priorities, use_tqdm)
+        results = self._run_all(token_lists, params, priorities, use_tqdm, images)
         for result, text in zip(results, texts):
             result.prompt = text
             self._decode(result)
         return results
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (or a list of them) in OpenAI's message shape, rendered by the tokenizer's chat
+        template with the generation prompt; image parts (a data URL ``image_url``, or ``image_pil``) go in."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (LLM was built with skip_tokenizer_init=True)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            rendered, images = split_images(conversation)
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True,
+                                                      **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def embed(self, prompts: str | list[str] | None = None, pooling_params: PoolingParams | None = None,
               prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One vector per prompt (``RequestOutput.embedding``), pooled as the checkpoint says (``PoolerConfig``)
         unless ``pooling_params`` say otherwise."""
-        token_lists, texts = self._prompts(prompts, prompt_token_ids)
+        token_lists, texts, _ = self._prompts(prompts, prompt_token_ids)
         params = [pooling_params or PoolingParams()] * len(token_lists)
         results = self._run_all(token_lists, params, [0] * len(token_lists), use_tqdm)
         for result, text in zip(results, texts):
@@ -57,12 +81,14 @@ class LLM:
         return results
 
     def _run_all(self, token_lists: list[list[int]], params: list[SamplingParams | PoolingParams],
-                 priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+                 priorities: list[int], use_tqdm: bool, images: list[list[ImagePatches]] | None = None
+                 ) -> list[RequestOutput]:
         """Each prompt's whole output, in order; a prompt the engine refuses refuses them all."""
         ids = [str(next(self._request_ids)) for _ in token_lists]
         try:
-            for request_id, tokens, p, rank in zip(ids, token_lists, params, priorities):
-                self.engine.add_request(request_id, tokens, p, priority=rank)
+            for request_id, tokens, p, rank, own in zip(ids, token_lists, params, priorities,
+                                                        images or [None] * len(ids)):
+                self.engine.add_request(request_id, tokens, p, priority=rank, images=own)
         except ValueError:
             self.engine.abort_request(ids)  # all or nothing: drop the prompts already queued
             raise
@@ -81,16 +107,38 @@ class LLM:
         return [BeamSearchOutput([BeamSequence(c.token_ids, c.text, c.cumulative_logprob) for c in r.outputs])
                 for r in results]
 
-    def _prompts(self, prompts: str | list[str] | None, prompt_token_ids: list[list[int]] | None
-                 ) -> tuple[list[list[int]], list[str | None]]:
+    def _prompts(self, prompts: Prompt | list[Prompt] | None, prompt_token_ids: list[list[int]] | None
+                 ) -> tuple[list[list[int]], list[str | None], list[list[ImagePatches]]]:
+        """Each prompt's token ids (image placeholders expanded), text and preprocessed images."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts and prompt_token_ids")
         if prompt_token_ids is not None:
-            return [list(t) for t in prompt_token_ids], [None] * len(prompt_token_ids)
+            return [list(t) for t in prompt_token_ids], [None] * len(prompt_token_ids), [[]] * len(prompt_token_ids)
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer (LLM was built with skip_tokenizer_init=True)")
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        return [self.tokenizer(t).input_ids for t in texts], texts
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        texts = [p["prompt"] if isinstance(p, dict) else p for p in items]
+        images = [self._images(p) if isinstance(p, dict) else [] for p in items]
+        token_lists = [self.tokenizer(t).input_ids for t in texts]
+        spec = self.engine.images.spec
+        if spec is not None:  # a vision-language model: one placeholder token per embedding row
+            token_lists = [expand_image_tokens(t, own, spec) for t, own in zip(token_lists, images)]
+        return token_lists, texts, images
+
+    def _images(self, prompt: dict) -> list[ImagePatches]:
+        """A ``{"prompt", "multi_modal_data"}`` prompt's images through the checkpoint's image processor."""
+        data = prompt.get("multi_modal_data") or {}
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)} (only 'image')")
+        images = data.get("image") or []
+        images = [images] if not isinstance(images, list) else images
+        if images and self.engine.images.spec is None:
+            raise ValueError(f"this model ({self.engine.config.model_config.architecture}) is text-only: it takes "
+                             "no images")
+        if self._image_processor is None and images:
+            self._image_processor = ImageProcessor(self.engine.config.model_config.path)
+        return self._image_processor(images) if images else []
 
     def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Steps until every request finished, merging the incremental outputs."""

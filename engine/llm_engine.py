@@ -21,6 +21,10 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.speculation import Speculation
 from engine.distributed.executor import create_executor
+from engine.multimodal.config import VisionSpec
+from engine.multimodal.encoder_budget import EncoderBudget
+from engine.multimodal.images import RequestImages
+from engine.multimodal.inputs import ImagePatches
 from engine.outputs import RequestOutput, ResumeState
 from engine.pooler_config import PoolerConfig
 from engine.pooling_params import PoolingParams, ResolvedPooling
@@ -55,11 +59,18 @@ class LLMEngine:
         self.speculator: Speculator | None = make_speculator(config, self.config)
         self._scheduled_at = 0.0  # when the latest step was scheduled (the verification time of its step)
         self.pooler_config = PoolerConfig.from_model_dir(self.config.model_config.path)
+        model_config = self.config.model_config
+        self.images = RequestImages(VisionSpec.from_hf(model_config.hf), model_config.architecture)
+        if self.images.spec is not None:  # the runner's step splices the encoder cache's embeddings
+            self.runner.images = self.images.step(self.runner.model, config.encoder_cache_tokens)
+            self.scheduler.encoder_budget = EncoderBudget(
+                config.max_num_encoder_tokens or config.max_num_batched_tokens, self.runner.images.cache)
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    resume: ResumeState | None = None, priority: int = 0) -> None:
+                    resume: ResumeState | None = None, priority: int = 0,
+                    images: list[ImagePatches] | None = None) -> None:
         """Queue a request. ``resume``: the request ran elsewhere and its engine died; it continues
         from the tokens already delivered (recomputed as context) exactly as an undisturbed run would,
         and ``step`` returns only the new tokens. See ``ResumeState`` for what is not carried over.
@@ -67,7 +78,8 @@ class LLMEngine:
         ``params.prompt_logprobs`` come with the first output; a resumed request that had delivered tokens
         already had them, so they are not computed again (one that had delivered none gets them).
         ``PoolingParams``: an embedding request, its prompt's prefill only; its one output carries the vector
-        (``RequestOutput.embedding``) and no tokens."""
+        (``RequestOutput.embedding``) and no tokens. ``images``: a vision-language model's, one per placeholder
+        run of the prompt (its tokens expanded, ``engine.multimodal.processor.expand_image_tokens``)."""
         pooling = None
         if isinstance(params, PoolingParams):
             pooling, params = self._pooling(prompt_token_ids, params, resume), _embedding_sampling_params()
@@ -75,10 +87,11 @@ class LLMEngine:
             self._validate(prompt_token_ids, params)
         if resume is not None:
             self._validate_resume(prompt_token_ids, params, resume)
+        multimodal, salt = self.images.inputs(prompt_token_ids, images or [], cache_salt.encode() if cache_salt
+                                              else None)
         group = SequenceGroup(request_id, _new_seqs(list(prompt_token_ids), resume), params,
                               time.time() if arrival_time is None else arrival_time,
-                              cache_salt=cache_salt.encode() if cache_salt else None, priority=priority,
-                              pooling=pooling)
+                              cache_salt=salt, priority=priority, pooling=pooling, multimodal=multimodal)
         self.scheduler.add_group(group)
 
     def _pooling(self, prompt: list[int], params: PoolingParams, resume: ResumeState | None) -> ResolvedPooling:

@@ -17,6 +17,7 @@ from engine.kv_cache_dtype import KV_SCALE_DTYPE
 from engine.core.state_cache import StateMove
 from engine.layers.attention import AttentionMetadata, StateMetadata
 from engine.models.layer_kv import KVPoolGroup, pool_groups
+from engine.multimodal.step import ImageStep, StepImages
 from engine.resolved_config import ResolvedConfig
 from engine.step_inputs import StepBuffers, StepLayout, StepTensors, TokenFill
 
@@ -39,6 +40,7 @@ class Batch:
     # the step, in schedule order. Rank 0's only (the hidden states are whole on every rank).
     pool_rows: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
     pool_segments: torch.Tensor = field(default_factory=lambda: _NO_ROWS)
+    images: StepImages | None = None  # the step's image rows and M-RoPE positions (engine/multimodal/step.py)
 
 
 @dataclass(slots=True)
@@ -102,6 +104,7 @@ class ModelRunner:
             self._bind_state_pools(model.state_layers(), config)
         self.inputs = StepBuffers(self.device)  # the eager steps' inputs (CUDA; a CPU step reads its own tensors)
         self.graphs: DecodeGraphs | None = None
+        self.images: ImageStep | None = None  # a vision-language model's, set by the engine (engine/multimodal)
         self._max_num_seqs, self._max_model_len = sched.max_num_seqs, sched.max_model_len
         if config.decode_graphs:
             self.enable_decode_graphs()
@@ -145,6 +148,8 @@ class ModelRunner:
 
     def plan(self, out: SchedulerOutput) -> StepPlan:
         batch = self._prepare(out.scheduled) if out.scheduled else None
+        if batch is not None and self.images is not None:  # images: M-RoPE positions, placeholder rows
+            batch.images = self.images.plan(out.scheduled, batch.positions)
         return StepPlan(swap_out=_mapping(out.blocks_to_swap_out), swap_in=_mapping(out.blocks_to_swap_in),
                         copies=_mapping(out.blocks_to_copy), batch=batch, state_moves=out.state_moves)
 
@@ -175,7 +180,7 @@ class ModelRunner:
         device; the inputs reach a CUDA device in one copy, then take ``fill``'s tokens."""
         step, m = StepTensors(b.input_ids, b.positions, b.meta, b.sample_rows), b.meta
         width = m.block_tables.shape[1]
-        if (self.graphs is not None and not b.prompt_rows.numel() and not b.pool_rows.numel()
+        if (self.graphs is not None and not b.prompt_rows.numel() and not b.pool_rows.numel() and b.images is None
                 and self.graphs.accepts(len(m.seq_lens), m.max_query_len, width)):
             return self.graphs.forward(step, fill)
         if self.device.type != "cpu":
@@ -184,6 +189,9 @@ class ModelRunner:
             fill.apply(step.input_ids)
         if m.state is not None:
             step.meta.state = m.state if self.device.type == "cpu" else m.state.to(self.device)
+        if b.images is not None:  # images: their embeddings at the placeholder rows, M-RoPE
+            return self.model(step.input_ids, step.positions, step.meta,
+                              images=self.images.inputs(b.images, self.device)), step.sample_rows
         return self.model(step.input_ids, step.positions, step.meta), step.sample_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: Batch) -> PromptLogprobs | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from engine.multimodal.block_keys import ImageBlockKeys
+from engine.multimodal.inputs import MultiModalInputs
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.pooling_params import ResolvedPooling
 from engine.sampling_params import SamplingParams
@@ -128,13 +130,15 @@ class SequenceGroup:
     seqs: list[Sequence]
     params: SamplingParams
     arrival_time: float
-    cache_salt: bytes | None = None  # extra prefix-hash key (tenant isolation)
+    # extra prefix-hash key (tenant isolation); with images their ImageBlockKeys (engine/multimodal/block_keys.py)
+    cache_salt: bytes | ImageBlockKeys | None = None
     priority: int = 0  # lower runs first (vLLM's convention); equal priorities are served in arrival order
     rank: tuple[int, int] = (0, 0)  # (priority, arrival index): the scheduler's order, set by it on arrival
     metrics: RequestMetrics = None  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the scheduler failed it (FINISHED_ERROR)
     pooling: ResolvedPooling | None = None  # an embedding request: its prompt's prefill only, no tokens
+    multimodal: MultiModalInputs | None = None  # its images and M-RoPE positions (engine/multimodal)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

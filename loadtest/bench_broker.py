@@ -68,7 +68,8 @@ class SyntheticEngine:
         self._next_step = time.monotonic()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0,
+                    images: list | None = None) -> None:
         self.requests[request_id] = [params.max_tokens, 0]
 
     def abort_request(self, request_ids: list[str]) -> None:

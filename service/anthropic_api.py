@@ -1,7 +1,8 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) as a thin layer over the chat
 path: a Messages body becomes a chat body (the one tokenizer, template, grammar and tool-parser pipeline), and
-the chat answer, whole or streamed, becomes a Messages answer. What it does not take is a 400 that names the field:
-images and documents, server tools, ``thinking`` budgets (the reasoning parser decides what is thinking)."""
+the chat answer, whole or streamed, becomes a Messages answer; ``image`` blocks become chat image_url parts. What it
+does not take is a 400 that names the field: documents, server tools, ``thinking`` budgets (the reasoning parser
+decides what is thinking)."""
 from __future__ import annotations
 
 import json
@@ -92,8 +93,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """Tool results become tool messages (first, as the calls they answer came last), the text a user message."""
-    results, texts = [], []
+    """Tool results become tool messages (first, as the calls they answer came last), the text and images a user
+    message (an image block as chat completions' image_url part)."""
+    results, parts = [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
@@ -101,11 +103,29 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": require_str(block.get("tool_use_id"), f"{where}[{j}]"),
                             "content": _text(content, f"{where}[{j}].content")})
         elif kind == "text":
-            texts.append(require_str(block.get("text"), f"{where}[{j}].text"))
+            parts.append({"type": "text", "text": require_str(block.get("text"), f"{where}[{j}].text")})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"),
+                                                                                f"{where}[{j}].source")}})
         else:
-            raise APIError(400, f"unsupported content block type {kind!r} (text and tool_result are)",
+            raise APIError(400, f"unsupported content block type {kind!r} (text, image and tool_result are)",
                            param=f"{where}[{j}].type")
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    if not parts and results:
+        return results
+    text_only = all(p["type"] == "text" for p in parts)
+    return results + [{"role": "user", "content": "".join(p["text"] for p in parts) if text_only else parts}]
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL; a url source as it is (the gateway refuses
+    http(s) URLs it does not fetch)."""
+    if isinstance(source, dict) and source.get("type") == "base64":
+        media_type = require_str(source.get("media_type"), f"{where}.media_type")
+        return f"data:{media_type};base64,{require_str(source.get('data'), f'{where}.data')}"
+    if isinstance(source, dict) and source.get("type") == "url":
+        return require_str(source.get("url"), f"{where}.url")
+    raise APIError(400, "an image block's source must be {type: base64, media_type, data} or {type: url, url}",
+                   param=where)
 
 
 def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:

@@ -122,6 +122,17 @@ class GatewayConfig:
     max_logprobs: int = spec(20, help="largest logprobs / top_logprobs / prompt_logprobs accepted")
     max_logit_bias: int = spec(300, low=0, high=1024, help="most logit_bias entries per request")
     max_prompts: int = spec(64, low=1, help="most prompts in one /v1/completions request (a list of prompts)")
+    # Images (vision-language models): data URLs only; each bounded before it is decoded (docs/serving.md).
+    max_images_per_request: int = spec(8, low=0, help="most image parts in one chat request (400 above)")
+    max_image_bytes: int = spec(8 << 20, low=1, help="largest image accepted, encoded (413 above; the request "
+                                                     "body must fit max_body_bytes too)")
+    max_image_pixels: int = spec(16 << 20, low=1, help="largest image accepted, width x height (413 above)")
+    allowed_media_domains: tuple[str, ...] = spec((), flag="--allowed-media-domains",
+                                                  help="host whose http(s) image URLs the gateway fetches (no "
+                                                       "redirects, bounded by max_image_bytes), repeatable; none: "
+                                                       "only data URLs")
+    media_fetch_timeout_s: float = spec(10.0, low=0, low_open=True, flag="--media-fetch-timeout",
+                                        help="seconds an image URL's fetch may take")
     # Compiling a schema takes time and memory proportional to its size; this bounds both.
     max_structured_output_chars: int = spec(64 << 10, low=1, help="largest JSON schema / regex / grammar / "
                                                                    "choice list accepted, in characters")

@@ -51,8 +51,8 @@ def _as_json(msg: KVSnapshotMsg, now: float, viewer: str | None) -> dict[str, An
     return {"engine_id": msg.engine_id, "model": msg.model, "time": msg.time, "age_s": max(0.0, now - msg.time),
             "block_size": msg.block_size, "device": _pool_json(msg.device), "cpu": _pool_json(msg.cpu),
             "requests": [{"id": request_id if viewer is None or tenant == viewer else "", "state": state,
-                          "num_seqs": num_seqs, "blocks": _b64(blocks)}
-                         for request_id, state, num_seqs, blocks, tenant in msg.requests],
+                          "num_seqs": num_seqs, "blocks": _b64(blocks), "image_blocks": _b64(image_blocks)}
+                         for request_id, state, num_seqs, blocks, tenant, image_blocks in msg.requests],
             "stats": asdict(msg.stats)}
 
 

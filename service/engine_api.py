@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from engine.core.kv_snapshot import KVSnapshot
+from engine.multimodal.inputs import ImagePatches
 from engine.outputs import RequestOutput, ResumeState
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -19,7 +20,8 @@ class Engine(Protocol):
     def prefix_cache_summary(self) -> tuple[int, set[bytes]]: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
-                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0) -> None: ...
+                    cache_salt: str | None = None, resume: ResumeState | None = None, priority: int = 0,
+                    images: list[ImagePatches] | None = None) -> None: ...
 
     def abort_request(self, request_ids: list[str]) -> None: ...
 

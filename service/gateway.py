@@ -23,7 +23,8 @@ from service.broker_api import GatewayBroker
 from service.config import GatewayConfig
 from service.errors import APIError, BrokerUnavailable
 from service.limits import KeyLimits
-from service.messages import RequestMsg, StreamRecord, params_to_wire, pooling_to_wire
+from service.images import GatewayImages
+from service.messages import RequestMsg, StreamRecord, images_to_wire, params_to_wire, pooling_to_wire
 from service.metrics import GatewayMetrics
 from service.prompts import Prompts
 from service.protocol import (GenerationRequest, TokenizeRequest, check_context, check_input, parse_chat,
@@ -49,6 +50,7 @@ class Gateway:
         self.tenancy = Tenancy(config)
         self.threads = TokenizerThreads(config, tokenizer, self.tenancy)
         self.prompts = Prompts(tokenizer, config.max_chars_per_token)
+        self.images = GatewayImages(config, config.model)  # a vision-language checkpoint's image reader
         policies, default = config.policies()
         self.limits = KeyLimits(policies, default, config.retry_after_s,
                                 lambda: broker.limiter(config.limit_lease_s))
@@ -84,6 +86,8 @@ class Gateway:
         """The rules a parsed request meets before it is admitted (the context length comes with its tokens)."""
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages if req.chat else None, req.tools, req.prompts, self.served.context_len())
+        self.images.check(req.messages)
+        await self.images.fetch(req.messages)  # --allowed-media-domains' image URLs
         check_tool_parser(req.tools, self.config.tool_call_parser)
         await self._check_structured_output(http, req)
 
@@ -138,6 +142,9 @@ class Gateway:
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], OutputAssembler]:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
         ids = self.prompts.encode(req)
+        if req.chat:  # images: decoded and preprocessed here, once; their placeholders expanded
+            req.images = self.images.patches(req.messages)
+            ids = self.images.expand(ids, req.images)
         return ids, assembler_for(self.tokenizer, req, ids)
 
     def _check_capacity(self) -> None:
@@ -157,7 +164,8 @@ class Gateway:
                          params=params_to_wire(req.params) if pooling is None else {}, pooling=pooling,
                          gateway_id=self.gateway_id, arrival_time=now, model=self.served.name,
                          cache_salt=self.tenancy.cache_salt(http, req.cache_salt),
-                         priority=req.priority + self.limits.policy(api_key).priority, tenant=tenant)
+                         priority=req.priority + self.limits.policy(api_key).priority, tenant=tenant,
+                         images=images_to_wire(req.images))
         record = StreamRecord(request_id=request_id, gateway_id=self.gateway_id, body=body,
                               prompt_token_ids=prompt_ids, created=int(now), arrival_ms=int(now * 1000),
                               tenant=tenant)

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
+import torch
 
 from engine.core.kv_snapshot import KVSnapshot, PoolSnapshot
+from engine.multimodal.inputs import ImagePatches
 from engine.outputs import CompletionOutput, TokenLogprobs
 from engine.pooling_params import PoolingParams
 from engine.stats import EngineStats
@@ -23,8 +25,10 @@ from engine.stats import EngineStats
 # ReplyBatch per gateway per step, events carry their index; GatewayBeat, StreamRecord, Progress; 6: params
 # carry structured_output (a map), logit_bias ([id, bias] pairs) and prompt_logprobs, events prompt_logprobs;
 # 7: a RequestMsg carries its priority, a Heartbeat its prefix-cache block size; 8: a RequestMsg carries its tenant,
-# a KV snapshot's requests theirs; 9: a RequestMsg may carry pooling (an embedding request), events an embedding
-SCHEMA_VERSION = 9
+# a KV snapshot's requests theirs; 9: a RequestMsg may carry pooling (an embedding request), events an embedding;
+# 10: a RequestMsg may carry images (each one's patches as float32 bytes, their shape and grid: ``images_to_wire``),
+# a KV snapshot's requests the blocks holding image tokens
+SCHEMA_VERSION = 10
 
 T = TypeVar("T")
 
@@ -48,6 +52,8 @@ class RequestMsg:
     tenant: str = ""  # HMAC of the API key: whose request it is (the KV snapshot hides other tenants' ids)
     # PoolingParams fields: an embedding request (its prompt's prefill only; ``params`` is then empty).
     pooling: dict[str, Any] | None = None
+    # A vision-language model's preprocessed images, in prompt order (``images_to_wire``).
+    images: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -192,8 +198,8 @@ class Heartbeat:
 class KVSnapshotMsg:
     """An engine's KV snapshot (``engine.core.kv_snapshot``), published while a dashboard watches. Each pool
     is a map of per-block arrays as raw little-endian bytes (``POOL_ARRAYS``: name -> dtype), each request
-    ``[request_id, state, num_seqs, block ids as <u4 bytes, tenant]``: a few bytes a block, whatever the pool
-    size."""
+    ``[request_id, state, num_seqs, block ids as <u4 bytes, tenant, image block ids as <u4 bytes]``: a few bytes a
+    block, whatever the pool size."""
 
     engine_id: str
     model: str
@@ -211,7 +217,7 @@ POOL_ARRAYS = {"state": "<u1", "ref_count": "<u2", "owner": "<u2", "filled": "<u
 def kv_snapshot_msg(engine_id: str, model: str, snap: KVSnapshot, tenants: dict[str, str]) -> KVSnapshotMsg:
     """``tenants``: each request's tenant (RequestMsg.tenant), so a gateway can hide other tenants' ids."""
     rows = [[r.request_id, r.state, r.num_seqs, np.asarray(r.block_ids, "<u4").tobytes(),
-             tenants.get(r.request_id, "")] for r in snap.requests]
+             tenants.get(r.request_id, ""), np.asarray(r.image_block_ids, "<u4").tobytes()] for r in snap.requests]
     return KVSnapshotMsg(engine_id=engine_id, model=model, time=snap.time, block_size=snap.block_size,
                          device=_pool_wire(snap.device), cpu=_pool_wire(snap.cpu), requests=rows, stats=snap.stats)
 
@@ -230,8 +236,8 @@ def decode_kv_snapshot(payload: bytes) -> KVSnapshotMsg:
                   for name, dtype in POOL_ARRAYS.items()]
         if len(set(counts)) != 1 or counts[0] < 0 or not counts[0].is_integer():
             raise SchemaError("a KVSnapshotMsg pool's arrays are not one entry per block")
-    if not all(isinstance(r, list) and len(r) == 5 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
-               and isinstance(r[4], str) for r in msg.requests):
+    if not all(isinstance(r, list) and len(r) == 6 and isinstance(r[3], bytes) and len(r[3]) % 4 == 0
+               and isinstance(r[4], str) and isinstance(r[5], bytes) and len(r[5]) % 4 == 0 for r in msg.requests):
         raise SchemaError("malformed KVSnapshotMsg requests")
     return msg
 
@@ -307,6 +313,32 @@ def params_to_wire(params: Any) -> dict[str, Any]:
     if wire["logit_bias"] is not None:
         wire["logit_bias"] = [[token, bias] for token, bias in wire["logit_bias"].items()]
     return wire
+
+
+def images_to_wire(images: list[ImagePatches]) -> list[dict[str, Any]] | None:
+    """Each image as ``{"pixels": float32 little-endian bytes, "shape": [patches, features], "grid": [t, h, w]}``."""
+    return [{"pixels": image.pixel_values.numpy().astype("<f4").tobytes(),
+             "shape": list(image.pixel_values.shape), "grid": list(image.grid_thw)} for image in images] or None
+
+
+def images_from_wire(rows: list[Any]) -> list[ImagePatches]:
+    """``images_to_wire``'s maps back, each checked against its schema (SchemaError)."""
+    images = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or set(row) != {"pixels", "shape", "grid"}:
+            raise SchemaError(f"image {i}: expected a map of pixels, shape and grid")
+        pixels, shape, grid = row["pixels"], row["shape"], row["grid"]
+        if not (isinstance(pixels, bytes) and _ints(shape, 2) and _ints(grid, 3)
+                and len(pixels) == 4 * shape[0] * shape[1]):
+            raise SchemaError(f"image {i}: pixels must be float32 bytes of its [patches, features] shape, grid 3 ints")
+        values = torch.from_numpy(np.frombuffer(pixels, dtype="<f4").reshape(shape).copy())
+        images.append(ImagePatches(values, tuple(grid)))
+    return images
+
+
+def _ints(values: Any, count: int) -> bool:
+    return (isinstance(values, list) and len(values) == count
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values))
 
 
 def pooling_to_wire(params: PoolingParams) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from service.errors import APIError
-from service.protocol import GenerationRequest, TokenizeRequest
+from service.protocol import GenerationRequest, TokenizeRequest, message_text_chars
 from service.tokenization import encode_chat, encode_prompt, template_chars_per_message
 from service.tools import ToolRequest
 
@@ -105,7 +105,7 @@ def _client_errors(param: str) -> Iterator[None]:
 def _chat_chars(messages: list[dict[str, Any]], tools: ToolRequest | None, chars_per_message: int) -> int:
     """The characters a chat request renders: message text, tool-call arguments, tool definitions, and what
     the template adds around each message (so a flood of empty messages counts too)."""
-    size = sum(len(m["content"]) + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
-               for m in messages)
+    size = sum(message_text_chars(m["content"])
+               + sum(len(json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", ())) for m in messages)
     listed = tools.template_tools() if tools is not None else None
     return size + len(messages) * chars_per_message + (len(json.dumps(listed)) if listed else 0)

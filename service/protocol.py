@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.context_length import ContextLengthError, check_input_length, fit_max_tokens
 from engine.field_specs import value_type
+from engine.multimodal.inputs import ImagePatches
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputParams
@@ -84,6 +85,7 @@ class GenerationRequest:
     # An embedding request: its prompt's prefill only, answered with a vector (``params`` then samples nothing).
     pooling: PoolingParams | None = None
     encoding_format: str = "float"  # an embedding's, in the response: "float" or "base64"
+    images: list[ImagePatches] = field(default_factory=list)  # a chat's, preprocessed by the gateway (images.py)
 
     def budget(self, num_prompt_tokens: int) -> int:
         """The tokens charged to the API key at admission: the prompt, and max_tokens per choice."""
@@ -331,12 +333,9 @@ def _parse_message(i: int, message: Any) -> dict[str, Any]:
     if content is None and (role == "assistant" or message.get("tool_calls")):
         content = ""
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise APIError(400, f"{param}.content: only text parts are supported", param=param)
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise APIError(400, f"{param}.content must be a string or a list of text parts", param=param)
+        content = parse_content_parts(content, f"{param}.content")  # text, or text and image parts
+    if not isinstance(content, (str, list)):
+        raise APIError(400, f"{param}.content must be a string or a list of text and image_url parts", param=param)
     parsed: dict[str, Any] = {"role": role, "content": content}
     for name in ("name", "tool_call_id"):
         if (value := message.get(name)) is not None:
@@ -348,6 +347,34 @@ def _parse_message(i: int, message: Any) -> dict[str, Any]:
             raise APIError(400, f"{param}: only assistant messages carry tool_calls", param=param)
         parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], param)
     return parsed
+
+
+def parse_content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
+    """Text parts joined into one string; with image_url parts, the parts as a chat template takes them: text
+    parts, and ``{"type": "image"}`` parts keeping their URL and field name for the gateway's image reader
+    (service/images.py)."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        where = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str):
+                raise APIError(400, f"{where}.image_url.url must be a string", param=f"{where}.image_url")
+            out.append({"type": "image", "url": url, "param": f"{where}.image_url"})
+        else:
+            raise APIError(400, f"{where}: only text and image_url parts are supported", param=where)
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def message_text_chars(content: str | list[dict[str, Any]]) -> int:
+    """The characters of a parsed message's text (its image parts count none: their tokens are bounded apart)."""
+    return len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)
 
 
 def _parse_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:

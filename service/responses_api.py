@@ -2,8 +2,8 @@
 chat body (the one tokenizer, template, grammar and tool-parser pipeline) and the chat answer, whole or streamed,
 becomes a Response with its output items (reasoning, message, function calls), or the Responses event sequence.
 Responses are stored (``store``, the default) for ``previous_response_id`` and ``GET /v1/responses/{id}``
-(``service.response_store``). What it does not take is a 400 that names the field: images and files, built-in
-tools, background mode."""
+(``service.response_store``). ``input_image`` parts become chat image_url parts (service/images.py reads them).
+What it does not take is a 400 that names the field: files, built-in tools, background mode."""
 from __future__ import annotations
 
 import json
@@ -90,18 +90,26 @@ def _role(item: dict[str, Any], i: int) -> str:
     return "system" if role == "developer" else role
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """The text, or with ``input_image`` parts (an image_url string: a data URL) chat completions' parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, "content must be a string or a list of text parts", param=where)
-    texts = []
+        raise APIError(400, "content must be a string or a list of text and input_image parts", param=where)
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise APIError(400, f"unsupported content part type {kind!r} (text parts are)", param=f"{where}[{j}].type")
-        texts.append(require_str(part.get("text"), f"{where}[{j}].text"))
-    return "".join(texts)
+        if kind == "input_image":
+            url = require_str(part.get("image_url"), f"{where}[{j}].image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in _TEXT_PARTS:
+            parts.append({"type": "text", "text": require_str(part.get("text"), f"{where}[{j}].text")})
+        else:
+            raise APIError(400, f"unsupported content part type {kind!r} (text and input_image parts are)",
+                           param=f"{where}[{j}].type")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:

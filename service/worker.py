@@ -48,7 +48,7 @@ from service.broker_api import Pulled, Reply, WorkerBroker, kv_snapshot_ttl_s
 from service.config import WorkerConfig
 from service.engine_api import Engine
 from service.errors import BrokerUnavailable
-from service.messages import EventKind, EventRow, RequestMsg, encode, kv_snapshot_msg
+from service.messages import EventKind, EventRow, RequestMsg, encode, images_from_wire, kv_snapshot_msg
 from service.outbox import Outbox
 from service.worker_heartbeat import WorkerHeartbeat
 from service.worker_recovery import Recovery
@@ -187,8 +187,9 @@ class Worker:
         if isinstance(params, Exception):
             return self._rejected(msg, run, params)
         try:
+            images = {"images": images_from_wire(msg.images)} if msg.images else {}  # a text request: the old call
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, cache_salt=msg.cache_salt,
-                                    resume=run.resume_state(params), priority=msg.priority)
+                                    resume=run.resume_state(params), priority=msg.priority, **images)
         except Exception as exc:
             return self._rejected(msg, run, exc)
         if item.resume is not None:

@@ -20,33 +20,42 @@ from loadtest.bench_offline import MODELS
 from tests.engine.conftest import ARCH_CONFIGS
 from tests.engine.test_quantization import QUANTIZED_ARCHS
 from tests.engine.test_tensor_parallel import TP_ARCHS
+from loadtest.vl_checkpoint import VL_CONFIGS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- model-table:begin -->", "<!-- model-table:end -->"
 SCHEMES = tuple(LOAD_SCHEMES)
-HEADER = ("| family | `architectures` | sliding window | MoE | tested token-exact vs transformers (fp32) "
-          "| tensor parallel | quantized weights | benchmarked shapes |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| family | `architectures` | sliding window | MoE | vision | tested token-exact vs transformers (fp32) "
+          "| tensor parallel | quantized weights | benchmarked shapes |\n|---|---|---|---|---|---|---|---|---|")
+# Every token-exact checkpoint: the text-only ones and the vision-language ones (tests/engine/test_qwen2_5_vl.py).
+TESTED_CONFIGS = ARCH_CONFIGS | VL_CONFIGS
 
 
 def architecture(model_type: str) -> str:
-    return transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    names = transformers.models.auto.modeling_auto
+    if model_type in names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return names.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
 
 
 def parameters(config: transformers.PretrainedConfig) -> str:
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
+        transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     count = sum(p.numel() for p in model.parameters())
     return f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e3:.0f}K"
 
 
 def row(family: ModelFamily, tested: dict[str, list[str]], benchmarked: dict[str, list[str]]) -> str:
     names = [name for arch in family.classes for name in tested.get(arch, [])]
-    shown = ", ".join(f"`{name}` ({parameters(ARCH_CONFIGS[name]())})" for name in names) or "no"
+    shown = ", ".join(f"`{name}` ({parameters(TESTED_CONFIGS[name]())})" for name in names) or "no"
     tp = "tp=2, tested" if set(names) & set(TP_ARCHS) else "yes, untested" if family.tensor_parallel else "no"
     quantized = quantization(names) + (f"; {family.unquantized}: unquantized" if family.unquantized else "")
     shapes = ", ".join(name for arch in family.classes for name in benchmarked.get(arch, [])) or "-"
     archs = ", ".join(f"`{arch}`" for arch in family.classes)
-    return (f"| {family.name} | {archs} | {family.sliding_window or '-'} | {family.moe or '-'} | {shown} | {tp} "
+    return (f"| {family.name} | {archs} | {family.sliding_window or '-'} | {family.moe or '-'} "
+            f"| {family.vision or '-'} | {shown} | {tp} "
             f"| {quantized} | {shapes} |")
 
 
@@ -60,7 +69,7 @@ def quantization(names: list[str]) -> str:
 
 def render() -> str:
     tested: dict[str, list[str]] = {}
-    for name, make in ARCH_CONFIGS.items():
+    for name, make in TESTED_CONFIGS.items():
         tested.setdefault(architecture(make().model_type), []).append(name)
     benchmarked: dict[str, list[str]] = {}
     for name, spec in MODELS.items():

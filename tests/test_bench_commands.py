@@ -55,6 +55,8 @@ TINY: dict[str, list[str] | CoveredBy] = {
     "bench_abuse": ["--chat-requests", "2", "--chat-rate", "20", "--chat-tokens", "2", "--flood-clients", "1"],
     "bench_slow_clients": ["--clients", "2", "--interval", "0.2", "--seconds", "2", "--header-timeout", "1",
                            "--body-timeout", "1"],
+    "bench_vision": ["--num-requests", "2", "--max-tokens", "4", "--image-size", "64", "--layers", "1",
+                     "--depth", "2", "--threads", "1"],
     "bench_kernels": CoveredBy("tests/kernels/test_bench_kernels.py::test_bench_writes_one_result_per_shape"),
     "bench_structured": CoveredBy(
         "tests/engine/test_bench_structured.py::test_smoke_run_reports_and_every_output_validates"),

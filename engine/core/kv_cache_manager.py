@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.core.block_pool import Block, BlockPool
 from engine.core.kv_allocator import Admission, KVCacheStats, SeqSize, cdiv
 from engine.core.kv_snapshot import PoolsSnapshot
-from engine.core.prefix_hash import ROOT_HASH, hash_block
+from engine.core.prefix_hash import ROOT_HASH, block_key, hash_block
 from engine.core.state_cache import StateCache
 
 
@@ -75,7 +75,7 @@ class KVCacheManager:
         parent = ROOT_HASH
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = token_ids[start:start + bs]
-            parent = hash_block(parent, chunk, salt)
+            parent = hash_block(parent, chunk, block_key(salt, start, start + bs))  # images: their hashes join
             block = self.device_pool.lookup(parent, chunk)
             if block is None:
                 break
@@ -261,7 +261,7 @@ class KVCacheManager:
         while (table.num_hashed + 1) * bs <= end:
             start = table.num_hashed * bs
             chunk = token_ids[start:start + bs]
-            table.last_hash = hash_block(table.last_hash, chunk, table.salt)
+            table.last_hash = hash_block(table.last_hash, chunk, block_key(table.salt, start, start + bs))
             self.device_pool.register(table.blocks[table.num_hashed], table.last_hash, chunk)
             table.num_hashed += 1
 

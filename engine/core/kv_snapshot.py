@@ -7,7 +7,7 @@ wire, not a list of per-block maps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -68,6 +68,7 @@ class SnapshotRequest:
     state: str  # "running", "swapped" or "waiting"
     num_seqs: int  # unfinished sequences (n samples, beam candidates)
     block_ids: list[int]  # in the CPU pool when swapped
+    image_block_ids: list[int] = field(default_factory=list)  # of block_ids, those holding image tokens
 
 
 @dataclass(slots=True)

@@ -60,6 +60,8 @@ from engine.core.scheduler_config import SchedulerConfig
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, wants_prompt_logprobs
 from engine.core.speculation import Speculation, SpecTarget
 from engine.core.state_cache import StateCache
+from engine.multimodal.block_keys import ImageBlockKeys, image_block_ids
+from engine.multimodal.encoder_budget import EncoderBudget
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampler import SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -144,6 +146,7 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self.num_prompt_tokens = 0  # of every group added
         self.num_generated_tokens = 0
+        self.encoder_budget: EncoderBudget | None = None  # a vision-language model's, set by the engine
 
     # -- requests ------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
@@ -267,6 +270,8 @@ class Scheduler:
         if self.grammar is not None and self.grammar.compiling:
             self._admit_compiled()
         out = SchedulerOutput()
+        if self.encoder_budget is not None:  # images: a fresh encoder budget per step
+            self.encoder_budget.new_step()
         while self.suspects and self._caught_up(self.suspects[0]):
             self.suspects.popleft()  # its solo steps succeeded: back to normal batching
         if self.suspects:
@@ -613,6 +618,8 @@ class Scheduler:
                                                                                           group.cache_salt)
             start = len(hits) * bs
             num_new = self._chunk(seq.num_tokens - start, left)
+            if self.encoder_budget is not None:  # images: the chunk's encoder runs fit the encoder budget
+                num_new = self.encoder_budget.clip(group, start, num_new)
             admissions.append(Admission(hits, start + num_new, self._size(group, seq)))
             if num_new:
                 plan.append(ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
@@ -641,6 +648,8 @@ class Scheduler:
             if not remaining:
                 continue  # a beam candidate waiting for its siblings' distributions
             num_new = remaining if remaining <= budget - total else self._chunk(remaining, budget - total)
+            if self.encoder_budget is not None:  # images: the chunk's encoder runs fit the encoder budget
+                num_new = self.encoder_budget.clip(group, start, num_new)
             if num_new <= 0:
                 break
             s = ScheduledSeq(group=group, seq=seq, start=start, num_new_tokens=num_new,
@@ -791,7 +800,10 @@ class Scheduler:
                   + [(g, "waiting") for g in islice(self.waiting, MAX_WAITING_LISTED)])[:NO_OWNER]
         seq_ids = [[s.seq_id for s in g.unfinished_seqs()] for g, _ in listed]
         pools = self.kv.snapshot(seq_ids)
-        requests = [SnapshotRequest(g.request_id, state, len(ids), blocks)
+        bs = self.kv.block_size
+        requests = [SnapshotRequest(g.request_id, state, len(ids), blocks,
+                                    image_block_ids=image_block_ids(g.cache_salt.spans, blocks, bs)  # images
+                                    if isinstance(g.cache_salt, ImageBlockKeys) else [])
                     for (g, state), ids, blocks in zip(listed, seq_ids, pools.blocks)]
         return KVSnapshot(time=time.time(), block_size=self.kv.block_size, device=pools.device, cpu=pools.cpu,
                           requests=requests, stats=stats)

@@ -13,6 +13,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.opt import OPTForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 
@@ -28,6 +29,7 @@ class ModelFamily:
     moe: str = ""  # how experts are routed and sharded; "" = dense
     tensor_parallel: bool = True
     unquantized: str = ""  # layers --quantization leaves as they are (and a checkpoint may not quantize)
+    vision: str = ""  # the image input it takes (engine/multimodal); "" = text only
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -36,6 +38,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="Mistral's `sliding_window`, every layer"),
     ModelFamily("Qwen2, Qwen2.5", {"Qwen2ForCausalLM": Qwen2ForCausalLM},
                 sliding_window="`use_sliding_window` from `max_window_layers` on"),
+    ModelFamily("Qwen2.5-VL", {"Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration},
+                tensor_parallel=False, unquantized="vision tower",
+                vision="images (window-attention ViT, encoder cache, M-RoPE)"),
     ModelFamily("Qwen3", {"Qwen3ForCausalLM": Qwen3ForCausalLM},
                 sliding_window="`use_sliding_window` from `max_window_layers` on"),
     ModelFamily("Phi-3, Phi-3.5, Phi-4-mini", {"Phi3ForCausalLM": Phi3ForCausalLM},

@@ -9,14 +9,12 @@ import torch
 
 from engine.models.layer_kv import LayerKV, gemma4_layer_kv, mla_layer_kv, uniform_layer_kv
 from engine.models.layer_state import LinearStateSpec, linear_state_spec
+from engine.multimodal.config import lift_text_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Gemma (and gpt-oss) checkpoints written before transformers listed ``layer_types``: every n-th layer is global,
 # the others slide (Gemma 3 may say its n as ``sliding_window_pattern``).
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma4_text": 6, "gpt_oss": 2}
-# A multimodal checkpoint's top-level settings that hold for its text model too (transformers ties the LM head by
-# the top level's tie_word_embeddings).
-_MULTIMODAL_TOP_LEVEL = ("architectures", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")
 # Where model families keep their context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -130,9 +128,7 @@ def _read_config_json(path: str) -> dict:
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r} (expected a Hugging Face checkpoint folder)")
     with open(config_file, encoding="utf-8") as f:
-        hf = json.load(f)
-    text = hf.get("text_config")
-    return text | {key: hf[key] for key in _MULTIMODAL_TOP_LEVEL if key in hf} if isinstance(text, dict) else hf
+        return lift_text_config(json.load(f))
 
 
 def _eos_ids(path: str, hf: dict) -> list[int]:

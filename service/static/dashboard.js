@@ -9,7 +9,8 @@
   const HISTORY_S = 120;
   const MAX_ROWS = 300;
   const KEY_ITEM = "pagedserve-api-key";
-  const COLOURS = {free: "#e5e7eb", cached: "#bae6fd", ink: "#111827", cow: "#ea580c", unowned: "#9ca3af"};
+  const COLOURS = {free: "#e5e7eb", cached: "#bae6fd", ink: "#111827", cow: "#ea580c", unowned: "#9ca3af",
+                   image: "#db2777"};
   const $ = (id) => document.getElementById(id);
 
   const view = {key: null, engine: null, snapshot: null, hover: null, history: [], timer: 0, layouts: {}};
@@ -109,7 +110,8 @@
   }
 
   function decode(snapshot) {
-    const requests = snapshot.requests.map((r) => ({...r, blocks: littleEndian(r.blocks, 4)}));
+    const requests = snapshot.requests.map((r) => ({...r, blocks: littleEndian(r.blocks, 4),
+                                                     imageBlocks: littleEndian(r.image_blocks || "", 4)}));
     requests.forEach((r) => { r.colour = colourOf(r.id); });
     return {...snapshot, device: decodePool(snapshot.device), cpu: decodePool(snapshot.cpu), requests};
   }
@@ -176,8 +178,18 @@
     return {x, y, size: geometry.cell - geometry.gap};
   }
 
+  // The blocks of one pool that hold image tokens (a swapped request's are in the CPU pool).
+  function imageBlocks(snapshot, cpu) {
+    const blocks = new Set();
+    for (const r of snapshot.requests) {
+      if ((r.state === "swapped") === cpu) r.imageBlocks.forEach((b) => blocks.add(b));
+    }
+    return blocks;
+  }
+
   function drawGrid(id, pool, snapshot, highlight) {
     const canvas = $(id);
+    const images = imageBlocks(snapshot, id === "cpu-grid");
     const geometry = view.layouts[id] = layout(canvas, pool.size);
     const ctx = canvas.getContext("2d");
     const bs = snapshot.block_size, line = Math.max(1, Math.floor(geometry.cell / 8));
@@ -205,6 +217,14 @@
       ctx.fillStyle = colour.solid;
       ctx.fillRect(x, y + size - computed, size, computed);
       if (state === SHARED || state === COW) outline(ctx, x, y, size, state === COW ? COLOURS.cow : COLOURS.ink, line);
+      if (images.has(i)) {  // image tokens: a corner mark
+        ctx.fillStyle = COLOURS.image;
+        ctx.beginPath();
+        ctx.moveTo(x + size, y);
+        ctx.lineTo(x + size, y + size / 2);
+        ctx.lineTo(x + size / 2, y);
+        ctx.fill();
+      }
     }
     ctx.globalAlpha = 1;
     for (const i of highlight || []) {
@@ -214,6 +234,7 @@
     canvas.dataset.blocks = pool.size;
     canvas.dataset.used = used;
     canvas.dataset.cached = cached;
+    canvas.dataset.images = [...images].sort((a, b) => a - b).join(",");
     canvas.dataset.highlighted = highlight ? [...highlight].sort((a, b) => a - b).join(",") : "";
   }
 
@@ -337,7 +358,8 @@
     const owner = pool.owner[i] === NO_OWNER ? null : s.requests[pool.owner[i]];
     tooltip.textContent = [`${poolName} block ${i}: ${STATE_NAMES[pool.state[i]]}, ref count ${pool.ref[i]}`,
       `${pool.filled[i]}/${s.block_size} slots claimed, ${pool.computed[i]} written`,
-      owner ? `first holder: ${nameOf(owner)} (${owner.state})` : ""].filter(Boolean).join("\n");
+      owner ? `first holder: ${nameOf(owner)} (${owner.state})` : "",
+      imageBlocks(s, poolName === "cpu").has(i) ? "holds image tokens" : ""].filter(Boolean).join("\n");
     tooltip.style.left = `${event.target.offsetLeft + event.offsetX + 12}px`;
     tooltip.style.top = `${event.target.offsetTop + event.offsetY + 12}px`;
     tooltip.hidden = false;

@@ -39,7 +39,7 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    resume: ResumeState | None = None, priority: int = 0) -> None:
+                    resume: ResumeState | None = None, priority: int = 0, images: list | None = None) -> None:
         self.priorities[request_id] = priority
         if self.faults and prompt_token_ids[0] == BOOM_ON_ADD:
             raise RuntimeError("boom")

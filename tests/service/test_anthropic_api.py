@@ -94,8 +94,12 @@ def test_errors_take_anthropics_shape_and_name_the_field(client, roomy_stack: Lo
     assert status == 400 and missing["type"] == "error" and missing["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in missing["error"]["message"]
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]
-    with pytest.raises(anthropic.BadRequestError) as unsupported:
+    with pytest.raises(anthropic.BadRequestError) as unsupported:  # the demo model takes no images
         client.messages.create(model=MODEL_NAME, max_tokens=4, messages=image)
+    assert "text-only" in unsupported.value.body["error"]["message"]
+    document = [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as unsupported:
+        client.messages.create(model=MODEL_NAME, max_tokens=4, messages=document)
     assert "messages[0].content[0].type" in unsupported.value.body["error"]["message"]
     stranger = anthropic.Anthropic(base_url=roomy_stack.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as denied:

@@ -179,13 +179,14 @@ def test_wire_format_round_trip_and_checks() -> None:
     pool.filled[:] = [16, 3, 16, 0, 7]
     pool.set_owners([[0, 1], [0, 4]])
     snap = KVSnapshot(time.time(), 16, pool, PoolSnapshot.empty(2), [SnapshotRequest("a", "running", 2, [0, 1]),
-                                                                     SnapshotRequest("b", "running", 1, [0, 4])],
+                                                                     SnapshotRequest("b", "running", 1, [0, 4], [4])],
                       engine_stats(num_blocks_used=3))
     msg = decode_kv_snapshot(encode(kv_snapshot_msg("w0", "m", snap, {"b": "tenant-b"})))
     assert np.frombuffer(msg.device["owner"], "<u2").tolist() == [0, 0, 0xFFFF, 0xFFFF, 1]
     assert np.frombuffer(msg.device["filled"], "<u2").tolist() == [16, 3, 16, 0, 7]
     assert msg.requests[1][:3] == ["b", "running", 1] and np.frombuffer(msg.requests[1][3], "<u4").tolist() == [0, 4]
     assert [r[4] for r in msg.requests] == ["", "tenant-b"]
+    assert [np.frombuffer(r[5], "<u4").tolist() for r in msg.requests] == [[], [4]]  # blocks with image tokens
     assert msg.stats == snap.stats and len(msg.cpu["state"]) == 2
     broken = kv_snapshot_msg("w0", "m", snap, {})
     broken.device["owner"] = broken.device["owner"][:-2]  # one entry short

@@ -88,10 +88,10 @@ def test_the_engine_offers_every_protocol_member_as_the_protocol_does(name: str,
 
 @pytest.mark.parametrize(("name", "drifted", "problem"), [
     # bench_broker's SyntheticEngine before issue 43: the worker passes priority=
-    ("add_request", lambda self, request_id, prompt_token_ids, params, *, cache_salt=None, resume=None: None,
-     "'priority' is not accepted by keyword"),
-    ("add_request", lambda self, request_id, prompt_token_ids, params, *, cache_salt=None, resume=None, priority:
-     None, "'priority' has no default"),
+    ("add_request", lambda self, request_id, prompt_token_ids, params, *, cache_salt=None, resume=None, images=None:
+     None, "'priority' is not accepted by keyword"),
+    ("add_request", lambda self, request_id, prompt_token_ids, params, *, cache_salt=None, resume=None, priority,
+     images=None: None, "'priority' has no default"),
     ("abort_request", lambda self, *, request_ids: None, "'request_ids' is not positional parameter 1"),
     ("step", lambda self, budget: None, "'budget' is required but not in the protocol"),
 ])

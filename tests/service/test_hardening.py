@@ -85,8 +85,11 @@ async def test_malformed_json_is_400(served, raw: bytes) -> None:
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     ({"stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0]"),
+    # An image part to the (text-only) demo model: refused, naming the part.
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0]"),
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0]"),
 ])
 async def test_out_of_range_values_are_400(served, change: dict, param: str) -> None:
     client, gateway = served

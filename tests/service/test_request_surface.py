@@ -165,7 +165,7 @@ def test_new_params_survive_the_wire() -> None:
     wire = params_to_wire(params)
     assert wire["logit_bias"] == [[3, 1.5], [9, -100.0]] and isinstance(wire["structured_output"], dict)
     msg = RequestMsg("r", [1], wire, "gw", 1.0, "m", priority=-3)
-    assert msgpack.unpackb(encode(msg))["v"] == SCHEMA_VERSION == 9
+    assert msgpack.unpackb(encode(msg))["v"] == SCHEMA_VERSION == 10
     assert SamplingParams(**decode(RequestMsg, encode(msg)).params) == params
     assert decode(RequestMsg, encode(msg)).priority == -3
 

@@ -137,10 +137,14 @@ def test_what_is_not_supported_is_a_400_that_names_it(client) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, background=True)
     assert refused.value.body["param"] == "background"
-    with pytest.raises(openai.BadRequestError) as image:
+    with pytest.raises(openai.BadRequestError) as image:  # the demo model takes no images
         client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
-    assert image.value.body["param"] == "input[0].content[0].type"
+    assert image.value.body["param"] == "messages[0].content[0].image_url" and "text-only" in image.value.message
+    with pytest.raises(openai.BadRequestError) as file:
+        client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_file", "file_id": "f"}]}])
+    assert file.value.body["param"] == "input[0].content[0].type"
 
 
 def test_the_agents_sdk_runs_a_function_tool_to_completion(roomy_stack: LocalStack) -> None:

@@ -1,0 +1,41 @@
+"""A vision-language checkpoint's settings: transformers 5 saves the language model's under ``text_config`` and the
+vision tower's under ``vision_config``; the engine reads the text ones where a text-only checkpoint has them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Keys whose top-level value holds for the language model too (transformers ties the LM head by the top level's
+# tie_word_embeddings); the text model's own model_type stays (the families read it, e.g. gemma4_text).
+_TOP_LEVEL = ("architectures", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")
+
+
+def lift_text_config(hf: dict) -> dict:
+    """``hf`` with its ``text_config`` settings at the top level (as a text-only config.json has them); ``hf``
+    itself where it has none."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        return hf
+    return {**hf, **text, **{key: hf[key] for key in _TOP_LEVEL if key in hf}}
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What the engine needs to place a checkpoint's images in a prompt."""
+
+    image_token_id: int  # the placeholder token, one per embedding row of an image
+    merge_size: int  # patches merged per side into one embedding row (spatial_merge_size)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> VisionSpec | None:
+        """None for a text-only checkpoint."""
+        vision = hf.get("vision_config")
+        if not isinstance(vision, dict):
+            return None
+        if not isinstance(hf.get("image_token_id"), int):
+            raise ValueError("config.json: a vision_config needs an integer image_token_id")
+        return cls(hf["image_token_id"], int(vision.get("spatial_merge_size", 2)))
+
+    def rows(self, grid_thw: tuple[int, int, int]) -> int:
+        """Embedding rows (= placeholder tokens) of an image of ``grid_thw`` patches."""
+        t, h, w = grid_thw
+        return t * h * w // (self.merge_size * self.merge_size)

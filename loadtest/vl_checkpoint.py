@@ -1,0 +1,92 @@
+"""A random-weight Qwen2.5-VL checkpoint built locally (the tests' tiny one, or bench_vision's larger one): its image
+processor (Qwen2VLImageProcessor, 8-pixel patches) and a character tokenizer with Qwen's special tokens and a
+Qwen-style chat template beside it; and transformers' greedy generation on (prompt, images), the reference."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+VOCAB = 300
+IMAGE, VIDEO, VISION_START, VISION_END, IM_START, IM_END = range(290, 296)
+SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
+    "{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: int = 32
+              ) -> transformers.Qwen2_5_VLConfig:
+    """By default two text layers (head_dim 64, M-RoPE sections 8/12/12), a two-block tower (the last block full
+    attention, the others in 32-pixel windows: 2 x 2 merged cells)."""
+    text = dict(vocab_size=VOCAB, hidden_size=64 * heads, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=1, intermediate_size=128 * heads, max_position_embeddings=2048,
+                initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
+    vision = dict(depth=depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                  out_hidden_size=64 * heads, fullatt_block_indexes=[depth - 1], initializer_range=0.3)
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                         video_token_id=VIDEO, vision_start_token_id=VISION_START,
+                                         vision_end_token_id=VISION_END, tie_word_embeddings=False)
+
+
+VL_CONFIGS = {"qwen2.5-vl": vl_config}  # the model table's (tests/model_table.py)
+
+
+def build_vl_checkpoint(folder, config: transformers.Qwen2_5_VLConfig | None = None) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config or vl_config(), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    with torch.no_grad():  # the tower's norms start at 1: drawn, so they count
+        for name, param in model.named_parameters():
+            if name.startswith("model.visual") and name.endswith("weight") and param.dim() == 1:
+                param.normal_(1.0, 0.5)
+    model.save_pretrained(folder)
+    transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                       size={"shortest_edge": 256, "longest_edge": 128 * 128}).save_pretrained(folder)
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {p: i for i, p in enumerate(chars + [f"<x{i}>" for i in range(IMAGE - len(chars))])}
+    tok = Tokenizer(models.WordLevel(vocab | {s: IMAGE + i for i, s in enumerate(SPECIALS)}, unk_token="<x0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters decode back to the text, without spaces between
+    tok.add_special_tokens(SPECIALS)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return model
+
+
+def image(seed: int, width: int = 64, height: int = 80) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@torch.inference_mode()
+def hf_vl_greedy(model, path: str, text: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
+    """transformers' own pipeline on one prompt: its image processor, placeholders expanded as its processor
+    does (one per embedding row), generate with the image inputs."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(text).input_ids
+    kwargs = {}
+    if images:
+        processed = transformers.AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+        rows = iter((processed["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for token in ids for t in ([token] * next(rows) if token == IMAGE else [token])]
+        kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    input_ids = torch.tensor([ids])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=0,
+                         mm_token_type_ids=(input_ids == IMAGE).int(), **kwargs)
+    return out[0, len(ids):].tolist()

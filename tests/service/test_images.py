@@ -1,0 +1,173 @@
+"""Images over the API: the official openai SDK sends an image chat (a data URL part) to a served tiny Qwen2.5-VL
+checkpoint, whose answer equals transformers'; bad images are refused with a 400 / 413 naming the part, before
+anything is queued."""
+from __future__ import annotations
+
+
+import http.server
+import io
+import threading
+
+import anthropic
+import openai
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from engine.multimodal.inputs import ImagePatches
+from service.config import GatewayConfig
+from service.memory_broker import MemoryBus
+from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
+from loadtest.vl_checkpoint import build_vl_checkpoint, data_url, hf_vl_greedy, image
+from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, local_stack,
+                                    post_json)
+
+MAX_TOKENS = 10
+CHAT_URL = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vl")
+    return str(folder), build_vl_checkpoint(folder)
+
+
+@pytest.fixture(scope="module")
+def vl_stack(vl):
+    flags = ("--max-image-bytes", "40000", "--max-image-pixels", "40000", "--max-images-per-request", "2",
+             "--allowed-media-domains", "127.0.0.1")
+    with local_stack(vl[0], num_workers=1, num_gateways=1, gateway_flags=flags) as stack:
+        stack.wait_ready(START_TIMEOUT_S)
+        yield stack
+
+
+def chat(*parts: dict) -> dict:
+    return {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def transformers_answer(vl, img: Image.Image) -> tuple[str, int]:
+    """transformers' greedy answer to "Look: <image> what?" as one user message, and its prompt's tokens."""
+    path, model = vl
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " what?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    expected = hf_vl_greedy(model, path, text, [img], MAX_TOKENS)
+    prompt_tokens = len(tokenizer(text).input_ids) - 1 + (img.width // 16) * (img.height // 16)
+    return tokenizer.decode(expected, skip_special_tokens=True), prompt_tokens
+
+
+def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    for img in (image(7), image(8, 48, 96)):  # two images, the same text: two answers, each transformers'
+        out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "}, image_part(data_url(img)),
+                                                    {"type": "text", "text": " what?"}))
+        assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, img)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server with one PNG at /a.png (the stack's gateway may fetch from 127.0.0.1)."""
+    buf = io.BytesIO()
+    image(10).save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/a.png"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/png" if found else "text/plain")
+            self.end_headers()
+            self.wfile.write(png if found else b"no")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_allowed_domains_image_url_is_fetched(vl, vl_stack, image_host):
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "},
+                                                image_part(f"http://{image_host}/a.png"),
+                                                {"type": "text", "text": " what?"}))
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, image(10))
+    for url, message in ((f"http://{image_host}/b.png", "HTTP 404"),
+                         (f"http://localhost:{image_host.split(':')[1]}/a.png", "not fetched")):
+        code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat(image_part(url)))
+        assert code == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
+        assert message in body["error"]["message"]
+
+
+def test_responses_input_image_and_messages_image_block_equal_transformers(vl, vl_stack):
+    img = image(9)
+    expected, _ = transformers_answer(vl, img)
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    response = client.responses.create(model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                     {"type": "input_image", "image_url": data_url(img)},
+                                     {"type": "input_text", "text": " what?"}]}])
+    assert response.output_text == expected
+    messages = anthropic.Anthropic(base_url=vl_stack.url, api_key=API_KEY, max_retries=0)
+    data = data_url(img).split(",", 1)[1]
+    answer = messages.messages.create(model=MODEL_NAME, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}},
+                                     {"type": "text", "text": " what?"}]}])
+    assert answer.content[0].text == expected
+
+
+@pytest.mark.parametrize("part, status, param, message", [
+    (image_part("data:image/png;base64,AAAA"), 400, "messages[0].content[1].image_url", "cannot be decoded"),
+    (image_part("data:image/gif;base64,R0lGOD"), 400, "messages[0].content[1].image_url", "unsupported image type"),
+    (image_part("https://example.com/cat.png"), 400, "messages[0].content[1].image_url", "not fetched"),
+    (image_part(data_url(image(1), "JPEG").replace("image/jpeg", "image/png")), 400,
+     "messages[0].content[1].image_url", "its MIME type says PNG"),
+    # Noise does not compress: ~100 kB of PNG, over --max-image-bytes 40000.
+    (image_part(data_url(image(1, 160, 160))), 413, "messages[0].content[1].image_url", "byte limit"),
+    # One colour compresses to nothing: a small file of 300 x 300 pixels, over --max-image-pixels 40000.
+    (image_part(data_url(Image.new("RGB", (300, 300), (9, 9, 9)))), 413, "messages[0].content[1].image_url",
+     "pixels"),
+    ({"type": "input_audio", "input_audio": {}}, 400, "messages[0].content[1]", "only text and image_url parts"),
+])
+def test_bad_images_are_refused_naming_the_part(vl_stack, part, status, param, message):
+    code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat({"type": "text", "text": "Look: "}, part))
+    assert code == status, body
+    assert body["error"]["param"] == param and message in body["error"]["message"]
+
+
+def test_too_many_images_are_refused(vl_stack):
+    url = data_url(image(1))
+    code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat(*[image_part(url)] * 3))
+    assert code == 400 and body["error"]["param"] == "messages" and "max_images_per_request" in body["error"]["message"]
+
+
+async def test_an_image_to_a_text_only_model_is_refused(tokenizer):
+    bus = MemoryBus()
+    async with gateway_client(GatewayConfig(), tokenizer, bus) as client:
+        response = await client.post(CHAT_URL, json=chat(image_part(data_url(image(1)))))
+        body = await response.json()
+    assert response.status == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
+    assert "text-only" in body["error"]["message"] and not any(bus.queued.values())
+
+
+def test_images_round_trip_the_wire_schema():
+    patches = [ImagePatches(torch.randn(16, 384), (1, 4, 4)), ImagePatches(torch.randn(8, 384), (1, 2, 4))]
+    msg = RequestMsg("r", [1, 2], {}, "g", 0.0, MODEL_NAME, images=images_to_wire(patches))
+    back = images_from_wire(decode(RequestMsg, encode(msg)).images)
+    assert [b.grid_thw for b in back] == [p.grid_thw for p in patches]
+    assert all(torch.equal(b.pixel_values, p.pixel_values) for b, p in zip(back, patches))
+    bad = images_to_wire(patches[:1])
+    bad[0]["shape"] = [15, 384]
+    with pytest.raises(SchemaError, match="float32 bytes"):
+        images_from_wire(bad)
