@@ -12,3 +12,10 @@ def test_every_registered_architecture_is_tested_token_exact():
     # Mistral: LlamaForCausalLM's code, tested as mistral-window; Gemma 4's multimodal checkpoints: its text model,
     # tested in tests/engine/test_gemma4.py.
     assert set(MODEL_REGISTRY) - tested <= {"MistralForCausalLM", "Gemma4ForConditionalGeneration"}
+
+
+def test_the_image_architectures_are_the_vision_families():
+    from engine.models import FAMILIES
+    from engine.multimodal.config import IMAGE_ARCHITECTURES
+
+    assert IMAGE_ARCHITECTURES == {arch for family in FAMILIES if family.vision for arch in family.classes}

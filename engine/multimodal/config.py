@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The architectures whose images the engine encodes (engine/models: the families with a ``vision`` entry).
+IMAGE_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration"})
 # Keys whose top-level value holds for the language model too (transformers ties the LM head by the top level's
 # tie_word_embeddings); the text model's own model_type stays (the families read it, e.g. gemma4_text).
 _TOP_LEVEL = ("architectures", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")
@@ -27,9 +29,10 @@ class VisionSpec:
 
     @classmethod
     def from_hf(cls, hf: dict) -> VisionSpec | None:
-        """None for a text-only checkpoint."""
+        """None for a text-only checkpoint, and for one whose vision tower the engine does not run (Gemma 4's
+        multimodal checkpoints: their text model runs alone)."""
         vision = hf.get("vision_config")
-        if not isinstance(vision, dict):
+        if not isinstance(vision, dict) or (hf.get("architectures") or [None])[0] not in IMAGE_ARCHITECTURES:
             return None
         if not isinstance(hf.get("image_token_id"), int):
             raise ValueError("config.json: a vision_config needs an integer image_token_id")
