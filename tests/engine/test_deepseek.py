@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3RotaryEmbedding,
                                                                   DeepseekV3TopkRouter)
 
-from engine import SamplingParams
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import Linear
 from engine.layers.rotary import rope_config, rope_inv_freq
@@ -22,7 +21,7 @@ from engine.models.moe import Router
 from loadtest.quant_quality import dequantized_copy
 from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, backends, build_checkpoint, hf_greedy, mixed_prompts
 from .test_gemma import write_config
-from .test_hf_equivalence import SCENARIOS, generate, make_llm
+from .test_hf_equivalence import SCENARIOS, check_greedy_forks, generate, make_llm
 
 ARCH = "DeepseekV3ForCausalLM"
 
@@ -75,12 +74,7 @@ def test_quantization_flag_int8(deepseek):
 @pytest.mark.parametrize("scenario", ["plain", "swap"])
 def test_greedy_forks_match_transformers(deepseek, scenario):
     """n = 3 greedy choices share the prompt's latent blocks and copy the last on write."""
-    prompts = mixed_prompts(6)
-    llm = make_llm(deepseek.path, "torch", **SCENARIOS[scenario])
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    want = [hf_greedy(deepseek.hf_model, p, MAX_NEW_TOKENS) for p in prompts]
-    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[w] * 3 for w in want]
+    check_greedy_forks(make_llm(deepseek.path, "torch", **SCENARIOS[scenario]), deepseek.hf_model, mixed_prompts(6))
 
 
 def test_full_rank_query_plain_rope_matches_transformers(tmp_path):

@@ -12,7 +12,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-from engine import SamplingParams
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.linear import Linear
 from engine.layers.rotary import rope_config, rope_inv_freq
@@ -23,7 +22,7 @@ from loadtest.quant_quality import dequantized_copy
 from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, Checkpoint, build_checkpoint, hf_greedy, mixed_prompts
 from .test_beam_search import check_against_hf, make_llm as beam_llm
 from .test_gemma import write_config
-from .test_hf_equivalence import SCENARIOS, generate, make_llm
+from .test_hf_equivalence import SCENARIOS, check_greedy_forks, generate, make_llm
 
 ARCH = "Gemma4ForCausalLM"
 PROMPTS = mixed_prompts(6)
@@ -85,12 +84,7 @@ def test_greedy_forks_match_transformers(request, arch, scenario):
     """n = 3 greedy choices share the prompt's blocks (the shared layers reading them too) and copy the last on
     write; each equals transformers' greedy run."""
     checkpoint = request.getfixturevalue(arch)
-    prompts = mixed_prompts(6)
-    llm = make_llm(checkpoint.path, "torch", **SCENARIOS[scenario])
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        assert [c.token_ids for c in output.outputs] == [hf_greedy(checkpoint.hf_model, prompt, MAX_NEW_TOKENS)] * 3
+    check_greedy_forks(make_llm(checkpoint.path, "torch", **SCENARIOS[scenario]), checkpoint.hf_model, mixed_prompts(6))
 
 
 def test_moe_quantization_flag_int8(gemma4_moe):

@@ -5,7 +5,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.layers.linear import Linear
-from .conftest import MAX_NEW_TOKENS, TEST_DEVICE, backends, mixed_prompts
+from .conftest import MAX_NEW_TOKENS, TEST_DEVICE, backends, hf_greedy, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
@@ -24,6 +24,15 @@ def make_llm(path: str, backend: str, **overrides) -> LLM:
     config = dict(attention_backend=backend, dtype="float32", num_device_blocks=256, show_progress=False,
                   device=TEST_DEVICE)
     return LLM(path, skip_tokenizer_init=True, **(config | overrides))
+
+
+def check_greedy_forks(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
+    """n = 3 greedy choices per prompt (forks of its sequence once the prompt is in): each equals transformers'
+    greedy run."""
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert [c.token_ids for c in output.outputs] == [hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)] * 3
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

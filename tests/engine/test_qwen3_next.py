@@ -12,7 +12,7 @@ from loadtest.quant_quality import dequantized_copy
 from .conftest import ARCH_CONFIGS, MAX_NEW_TOKENS, build_checkpoint, hf_greedy, mixed_prompts
 from .test_beam_search import check_against_hf, make_llm as beam_llm
 from .test_gemma import write_config
-from .test_hf_equivalence import SCENARIOS, generate, make_llm
+from .test_hf_equivalence import SCENARIOS, check_greedy_forks, generate, make_llm
 
 
 @pytest.fixture(scope="module", params=["qwen3-next", "qwen3.5"])
@@ -34,12 +34,8 @@ def _slot_bytes(config) -> int:
 @pytest.mark.parametrize("scenario", ["plain", "swap"])
 def test_greedy_forks_match_transformers(hybrid, scenario):
     """n = 3 greedy choices: each fork copies the parent's state slot; each equals transformers' greedy run."""
-    prompts = mixed_prompts(6)
     llm = make_llm(hybrid.path, "ext", **SCENARIOS[scenario])
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        assert [c.token_ids for c in output.outputs] == [hf_greedy(hybrid.hf_model, prompt, MAX_NEW_TOKENS)] * 3
+    check_greedy_forks(llm, hybrid.hf_model, mixed_prompts(6))
     assert llm.engine.scheduler.kv.state.stats().num_used_slots == 0
 
 
