@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _gauge(name: str, help_text: str) -> Any:
-    return field(metadata={"prometheus": name, "kind": "gauge", "help": help_text})
+def _gauge(name: str, help_text: str, **default: Any) -> Any:
+    return field(metadata={"prometheus": name, "kind": "gauge", "help": help_text}, **default)
 
 
 def _counter(name: str, help_text: str, **default: Any) -> Any:
@@ -42,6 +42,17 @@ class EngineStats:
     num_swapped_in_blocks_total: int = _counter("pagedserve:num_swapped_in_blocks", "KV blocks swapped back in.")
     num_window_released_blocks_total: int = _counter("pagedserve:num_window_released_blocks", "KV blocks released "
                                                      "behind the sliding window while their sequence runs.", default=0)
+    # A hybrid model's recurrent-state slots (engine/core/state_cache.py); 0 for attention-only models.
+    num_state_slots_total: int = _gauge("pagedserve:num_state_slots_total", "Recurrent-state slots for sequences "
+                                        "(hybrid models).", default=0)
+    num_state_slots_used: int = _gauge("pagedserve:num_state_slots_used", "Recurrent-state slots held by "
+                                       "sequences.", default=0)
+    num_state_snapshots_total: int = _gauge("pagedserve:num_state_snapshots_total", "Recurrent-state snapshot "
+                                            "slots for prefix-cache hits.", default=0)
+    num_state_snapshots_used: int = _gauge("pagedserve:num_state_snapshots_used", "Recurrent-state snapshots "
+                                           "kept (or being written).", default=0)
+    state_snapshot_hits_total: int = _counter("pagedserve:state_snapshot_hits", "Admissions that restored a "
+                                              "recurrent-state snapshot (a hybrid model's prefix hit).", default=0)
     # Set by the engine (the scheduler knows no grammar): a benchmark reports seconds / steps per step.
     grammar_mask_seconds_total: float = _counter("pagedserve:grammar_mask_seconds", "Seconds filling and applying "
                                                  "structured-output token masks.", default=0.0)

@@ -783,7 +783,15 @@ class Scheduler:
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
             num_window_released_blocks_total=kv.num_window_released_blocks,
-            **self._spec_stats())
+            **self._spec_stats(), **self._state_stats())
+
+    def _state_stats(self) -> dict[str, int]:
+        if not self._hybrid:
+            return {}
+        state = self.kv.state.stats()
+        return dict(num_state_slots_total=state.num_slots, num_state_slots_used=state.num_used_slots,
+                    num_state_snapshots_total=state.num_snapshots, num_state_snapshots_used=state.num_used_snapshots,
+                    state_snapshot_hits_total=state.snapshot_hits)
 
     def _spec_stats(self) -> dict[str, float]:
         spec = self.speculation

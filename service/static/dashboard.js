@@ -254,6 +254,8 @@
       "hit-rate": stats.prefix_cache_queries_total
         ? percent(stats.prefix_cache_hits_total / stats.prefix_cache_queries_total) : "-",
       waste: used ? percent(1 - stats.kv_token_utilization) : "-",
+      state: stats.num_state_slots_total  // a hybrid model's recurrent-state slots, and its snapshots
+        ? `${stats.num_state_slots_used}/${stats.num_state_slots_total} + ${stats.num_state_snapshots_used}` : "-",
     };
     for (const [name, value] of Object.entries(counters)) {
       document.querySelector(`[data-counter="${name}"]`).textContent = value;

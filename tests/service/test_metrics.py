@@ -15,6 +15,8 @@ ENGINE_GAUGES = {
     "pagedserve:num_cpu_blocks_total", "pagedserve:num_cpu_blocks_used", "pagedserve:kv_tokens_stored",
     "pagedserve:kv_reserved_slots", "pagedserve:kv_internal_frag_slots", "pagedserve:kv_external_frag_slots",
     "pagedserve:kv_free_slots", "vllm:spec_decode_draft_acceptance_rate", "pagedserve:spec_decode_mean_accepted_length",
+    "pagedserve:num_state_slots_total", "pagedserve:num_state_slots_used", "pagedserve:num_state_snapshots_total",
+    "pagedserve:num_state_snapshots_used",
 }
 ENGINE_COUNTERS = {
     "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
