@@ -111,6 +111,14 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
         enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=128, vocab_size=32000,
         max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Qwen3.5's hybrid layout (its 3 Gated DeltaNet layers to 1 gated full-attention layer, partial RoPE) at
+    # llama-19m's width: the recurrent layers keep a state slot per sequence, only one layer in four pages K/V.
+    # transformers' continuous batching pages attention only (no linear-attention state): static is its peer.
+    "qwen3.5-hybrid-19m": dict(arch="qwen3_5_text", dtype="float32", hf_continuous=False, config=dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)),
 }
 # transformers continuous batching's per-step token budget: pagedserve's max_num_batched_tokens below
 # (measured: 512 to 8192 change its Alpaca-like throughput by under 5%).
