@@ -67,16 +67,34 @@ def test_more_experts_per_token_than_experts_fails_at_load(tmp_path):
         make_llm(checkpoint.path, "torch")
 
 
+# Families whose MoE is a checkpoint option: the model decides per checkpoint (test_gemma4_moe_decodes_eagerly).
+_OPTIONAL_MOE = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
+
+
 def test_moe_models_decode_eagerly():
     """fused_moe syncs with the host on CUDA, so no MoE model is captured as a CUDA graph."""
     from engine.models import FAMILIES
 
-    moe = [cls for family in FAMILIES if family.moe for cls in family.classes.values()]
+    moe = [cls for family in FAMILIES if family.moe for cls in family.classes.values()
+           if cls.__name__ not in _OPTIONAL_MOE]
     dense = [cls for family in FAMILIES if not family.moe for cls in family.classes.values()]
     names = {cls.__name__ for cls in moe}
-    assert {"MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"} <= names, names
+    assert {"MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"} <= names
     assert not any(cls.graph_capturable for cls in moe)
     assert all(getattr(cls, "graph_capturable", True) for cls in dense)
+
+
+@pytest.mark.parametrize("moe_block", [False, True])
+def test_gemma4_moe_decodes_eagerly(tmp_path, moe_block):
+    from engine.distributed.parallel_state import TensorParallel
+    from engine.models.config import read_model_config
+    from engine.models.gemma4 import Gemma4ForCausalLM
+    from .test_gemma import write_config
+
+    path = write_config(tmp_path, ARCH_CONFIGS["gemma4-moe" if moe_block else "gemma4"](), "Gemma4ForCausalLM")
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(read_model_config(path), torch.device("meta"), torch.float32, TensorParallel())
+    assert model.graph_capturable is not moe_block
 
 
 @pytest.mark.parametrize("tensor", ["model.layers.0.mlp.experts.3.down_proj.weight",
