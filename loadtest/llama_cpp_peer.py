@@ -117,6 +117,32 @@ def _add_tensor(writer, name: str, tensor: torch.Tensor) -> None:
         writer.add_tensor(name, tensor.float().contiguous().numpy())
 
 
+# The weight formats tried: the checkpoint's own dtype ("f": bf16 or f32 as written), and two of llama.cpp's
+# quantizations made by its own quantizer (a K-quant falls back to another type per tensor whose rows are not a
+# multiple of 256, as it does for the real checkpoints of these shapes).
+WEIGHT_TYPES = {"f": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+def quantize_gguf(source: str, out: str, weights: str, threads: int) -> str:
+    """``source`` quantized by llama.cpp's ``llama_model_quantize`` into ``out`` (``weights`` a WEIGHT_TYPES key)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, WEIGHT_TYPES[weights])
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(source.encode(), out.encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {weights}")
+    return out
+
+
+def write_ggufs(checkpoint: str, folder: str, weight_types: list[str], threads: int) -> dict[str, str]:
+    """The checkpoint as a GGUF file per weight type: {type: path}."""
+    plain = write_gguf(checkpoint, os.path.join(folder, "model-f.gguf"))
+    return {w: plain if WEIGHT_TYPES[w] is None else quantize_gguf(plain, os.path.join(folder, f"model-{w}.gguf"),
+                                                                    w, threads)
+            for w in weight_types}
+
+
 @dataclass(slots=True, frozen=True)
 class LlamaCppSettings:
     threads: int
@@ -126,27 +152,32 @@ class LlamaCppSettings:
     kv_unified: bool = True
     n_batch: int = 2048  # bench_offline's per-step token budget
     n_ubatch: int = 512
+    weights: str = "f"  # a WEIGHT_TYPES key
 
 
 class LlamaCppPeer:
-    """One loaded GGUF model; ``run`` times a workload in a fresh context sized to hold all of it."""
+    """The loaded GGUF models, one per weight type ({type: path}, or one path for the plain one); ``run`` times a
+    workload in a fresh context sized to hold all of it."""
 
-    def __init__(self, gguf_path: str) -> None:
+    def __init__(self, ggufs: dict[str, str] | str) -> None:
         import llama_cpp
 
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
         llama_cpp.llama_log_set(_QUIET_LOG, ctypes.c_void_p())
-        params = llama_cpp.llama_model_default_params()
-        self.model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), params)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        self.models = {w: self._load(path) for w, path in ({"f": ggufs} if isinstance(ggufs, str) else ggufs).items()}
+
+    def _load(self, path: str):
+        model = self.lib.llama_model_load_from_file(path.encode(), self.lib.llama_model_default_params())
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        return model
 
     def run(self, prompts: list[list[int]], output_lens: list[int], settings: LlamaCppSettings
             ) -> tuple[tuple[float, float], list[list[int]]]:
         """((wall, CPU) seconds, each request's greedy tokens)."""
         lib = self.lib
-        ctx = lib.llama_init_from_model(self.model, self._context_params(prompts, output_lens, settings))
+        ctx = lib.llama_init_from_model(self.models[settings.weights], self._context_params(prompts, output_lens, settings))
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
         sampler = lib.llama_sampler_init_greedy()
@@ -175,7 +206,8 @@ class LlamaCppPeer:
         return params
 
     def close(self) -> None:
-        self.lib.llama_model_free(self.model)
+        for model in self.models.values():
+            self.lib.llama_model_free(model)
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)

@@ -3,6 +3,8 @@ its converter makes, and, where llama-cpp-python is installed, llama.cpp's greed
 pagedserve's on the checkpoint."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -91,5 +93,30 @@ def test_llama_cpp_greedy_tokens_match_pagedserve(tmp_path):
             _, got = peer.run(prompts, lens, LlamaCppSettings(threads=1, flash_attn=False, kv_unified=unified,
                                                               n_batch=16))
             assert got == want
+    finally:
+        peer.close()
+
+
+def test_llama_cpp_quantizes_its_own_q8_0_and_q4_k_m(tmp_path):
+    """bench_offline's llama.cpp at its best also tries llama.cpp's own quantizations: each file holds its format
+    (Q8_0 blocks; Q4_K_M's 4-bit types, or its per-tensor fallback where a row is no multiple of 256), and each
+    decodes the batch."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    from loadtest.llama_cpp_peer import LlamaCppPeer, LlamaCppSettings, write_ggufs
+
+    checkpoint = build_checkpoint("llama", tmp_path / "hf")
+    files = write_ggufs(checkpoint.path, str(tmp_path), ["f", "q8_0", "q4_k_m"], threads=1)
+    types = {w: {t.tensor_type for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1 and "blk." in t.name}
+             for w, path in files.items()}
+    Q = gguf.GGMLQuantizationType
+    assert types["f"] == {Q.F32} and types["q8_0"] == {Q.Q8_0}
+    assert types["q4_k_m"] and types["q4_k_m"].isdisjoint({Q.F32, Q.F16, Q.BF16})
+    assert os.path.getsize(files["q4_k_m"]) < os.path.getsize(files["q8_0"]) < os.path.getsize(files["f"])
+    peer = LlamaCppPeer(files)
+    try:
+        for weights in files:
+            _, got = peer.run([[5, 6, 7, 8], [9, 10, 11]], [6, 6], LlamaCppSettings(1, False, weights=weights))
+            assert [len(g) for g in got] == [6, 6] and all(0 <= t < 1000 for g in got for t in g)
     finally:
         peer.close()
