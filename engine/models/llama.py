@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cuda_ext import KernelOps
+from cuda_ext.linear import PackedLinear
 from engine.layers.activation import ActAndMul, SiluAndMul
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.distributed.parallel_state import TensorParallel
@@ -128,22 +129,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuse(self, ops: KernelOps) -> None:
         """Runs the layer as one compiled call (``FusedLayer``) where ``ops`` has one and every linear layer is
-        packed (CPU), unquantized or W8A8, on one rank (a row-parallel layer needs its all-reduce); a sparse MoE
-        layer stays unfused (the compiled layer runs the gated MLP only)."""
+        packed (CPU): unquantized, W8A8 or 4-bit, on one rank (a row-parallel layer needs its all-reduce); a
+        sparse MoE layer stays unfused (the compiled layer runs the gated MLP only)."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP):
             return
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        # The compiled layer takes plain packed weights, or W8A8 ones (``col_offset``); a weight-only int8 one
-        # keeps the layer unfused.
-        packed = [linear.packed for linear in linears]
-        w8a8 = all(p is not None and p.col_offset is not None for p in packed)
-        fusable = all(p is not None and p.scale is None for p in packed) or w8a8
-        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or not fusable:
+        packed = [linear.packed for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        kinds = [_fused_kind(p) for p in packed]
+        if ops.llama_decoder_layer is None or attn.o_proj.tp.size > 1 or None in kinds:
             return
         qkv, o, gate_up, down = packed
         norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
-        quantized = [t for p in packed for t in (p.scale, p.col_offset)] if w8a8 else []
+        # Each quantized linear's two extra tensors (None, None for one in the model's dtype: a 4-bit model keeps
+        # a layer whose width its group size does not divide).
+        quantized = [] if set(kinds) == {"plain"} else [
+            t for p in packed for t in (p.scale, p.col_offset if p.w4_offset is None else p.w4_offset)]
         self.fused = FusedLayer(
             op=ops.llama_decoder_layer,
             weights=[self.input_layernorm.weight, qkv.packed, o.packed, self.post_attention_layernorm.weight,
@@ -152,6 +152,18 @@ class LlamaDecoderLayer(nn.Module):
             sizes=[attn.num_heads, attn.num_kv_heads, attn.head_dim, qkv.out_features, o.out_features,
                    gate_up.out_features, down.out_features],
             attn=attn.attn, eps=self.input_layernorm.eps)
+
+
+def _fused_kind(packed: PackedLinear | None) -> str | None:
+    """What the compiled layer runs a packed linear as: plain, W8A8 or 4-bit; None for a layer it cannot take
+    (unpacked, or weight-only int8)."""
+    if packed is None:
+        return None
+    if packed.scale is None:
+        return "plain"
+    if packed.col_offset is not None:
+        return "w8a8"
+    return "w4" if packed.w4_offset is not None else None
 
 
 class LlamaModel(nn.Module):

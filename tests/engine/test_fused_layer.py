@@ -52,16 +52,20 @@ CASES = [(arch, dtype, None, kv) for arch in ("llama", "qwen2", "qwen3") for dty
 
 
 @pytest.mark.parametrize("arch, dtype, quantization, kv", CASES + [("qwen2", torch.bfloat16, "w8a8", "auto"),
-                                                                   ("qwen3", torch.float32, "w8a8", "int8")])
+                                                                   ("qwen3", torch.float32, "w8a8", "int8"),
+                                                                   ("qwen2", torch.bfloat16, "int4", "auto"),
+                                                                   ("llama", torch.float32, "int4-asym", "int8")])
 def test_fused_layer_is_bit_identical_to_the_python_forward(tmp_path, arch, dtype, quantization, kv):
-    """Also with W8A8 linear layers, and over a quantized KV cache (``kv``: its codes, with a bf16 scale pool
-    beside them)."""
+    """Also with W8A8 or 4-bit linear layers, and over a quantized KV cache (``kv``: its codes, with a bf16 scale
+    pool beside them)."""
     kv_dtype = KV_DTYPES[kv]
     cuda_ext.load_ops("ext")
     if not torch.ops.pagedserve.skinny_linear_supports(dtype):
         pytest.skip(f"{dtype} layers stay on F.linear here (no AVX512-BF16)")
-    if quantization and not torch.ops.pagedserve.skinny_linear_w8a8_supports():
+    if quantization == "w8a8" and not torch.ops.pagedserve.skinny_linear_w8a8_supports():
         pytest.skip("W8A8 layers stay on F.linear here (no AVX512-VNNI)")
+    if quantization and quantization.startswith("int4") and not torch.ops.pagedserve.skinny_linear_w4_supports():
+        pytest.skip("4-bit layers stay on F.linear here (no AVX-512)")
     config = read_model_config(build_checkpoint(arch, tmp_path).path)
     model = load_model(config, torch.device("cpu"), dtype, cuda_ext.load_ops("ext"), False, quantization=quantization)
     with torch.no_grad():  # norms away from their initial ones (and biases), so a swapped weight would show

@@ -19,16 +19,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return at::mul(weight, at::rms_norm(x.to(at::kFloat), {n}, c10::nullopt, eps).to(x.scalar_type()));
 }
 
-// Linear layer ``i`` of qkv, o, gate_up, down: packed weights[(1, 2, 4, 5)[i]], its bias optional[i]; W8A8
-// layers (optional has 14 entries) also have their scale and column offsets at optional[6 + 2i], [7 + 2i].
+// Linear layer ``i`` of qkv, o, gate_up, down: packed weights[(1, 2, 4, 5)[i]], its bias optional[i]; quantized
+// layers (optional has 14 entries) also have two tensors at optional[6 + 2i], [7 + 2i]: a W8A8 layer's (int8
+// panels) scale and column offsets, a 4-bit layer's (uint8 panels) group scales and offsets; None for a layer
+// left in the model's dtype (a 4-bit model's layer whose width its group size does not divide).
 at::Tensor linear(const at::Tensor& x, int64_t i, at::TensorList weights,
                   const c10::List<c10::optional<at::Tensor>>& optional, int64_t out_features) {
   static constexpr int64_t kWeight[] = {1, 2, 4, 5};
+  const at::Tensor& weight = weights[kWeight[i]];
   const c10::optional<at::Tensor> bias = optional.get(i);
   if (optional.size() == 6 || !optional.get(6 + 2 * i).has_value())
-    return skinny_linear_cpu(x, weights[kWeight[i]], bias, out_features);
-  return skinny_linear_w8a8_cpu(x, weights[kWeight[i]], *optional.get(6 + 2 * i), *optional.get(7 + 2 * i), bias,
-                                out_features);
+    return skinny_linear_cpu(x, weight, bias, out_features);
+  const at::Tensor scale = *optional.get(6 + 2 * i), offsets = *optional.get(7 + 2 * i);
+  if (weight.scalar_type() == at::kByte) return skinny_linear_w4_cpu(x, weight, scale, offsets, bias, out_features);
+  return skinny_linear_w8a8_cpu(x, weight, scale, offsets, bias, out_features);
 }
 
 }  // namespace
@@ -44,8 +48,8 @@ at::Tensor llama_decoder_layer_cpu(at::Tensor& residual, const c10::optional<at:
                                    const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(weights.size() == 6 && (optional.size() == 6 || optional.size() == 14) && sizes.size() == 7,
               "llama_decoder_layer takes 6 weights (input norm, qkv, o, post-attention norm, gate_up, down), "
-              "6 optional ones (qkv, o, gate_up and down biases, q and k norms; then, for W8A8 layers, each "
-              "linear's scale and column offsets) and 7 sizes, got ", weights.size(), ", ", optional.size(), " and ",
+              "6 optional ones (qkv, o, gate_up and down biases, q and k norms; then, for W8A8 or 4-bit "
+              "layers, each linear's scales and offsets) and 7 sizes, got ", weights.size(), ", ", optional.size(), " and ",
               sizes.size());
   const int64_t tokens = residual.size(0), heads = sizes[0], kv_heads = sizes[1], d = sizes[2];
   // Without `hidden` (the first layer) the residual stream is the layer's input as it is.
