@@ -35,7 +35,19 @@ class GatewayImages:
         self._processor: ImageProcessor | None = None
         self._path = model_path
 
-    def check(self, messages: list[dict[str, Any]]) -> None:
+    async def read(self, messages: list[dict[str, Any]]) -> None:
+        """A chat's images admitted before it is tokenized, for a generation and /tokenize alike: the limits
+        that need no decoding checked, then each allowed http(s) URL fetched."""
+        self._check(messages)
+        await self._fetch_urls(messages)
+
+    def place(self, messages: list[dict[str, Any]], ids: list[int]) -> tuple[list[int], list[ImagePatches]]:
+        """The rendered prompt ``ids`` with each image's placeholder expanded to its embedding rows, and the
+        images' patches: decoded and preprocessed once (on a tokenizer thread, after ``read``)."""
+        patches = self._patches(messages)
+        return self._expand(ids, patches), patches
+
+    def _check(self, messages: list[dict[str, Any]]) -> None:
         """The limits that need no decoding: the model takes images, how many, data URLs only, encoded size."""
         parts = list(image_parts(messages))
         if not parts:
@@ -60,8 +72,8 @@ class GatewayImages:
                 raise APIError(413, f"the image is over the {self.config.max_image_bytes}-byte limit "
                                     "(max_image_bytes)", param=part["param"])
 
-    async def fetch(self, messages: list[dict[str, Any]]) -> None:
-        """Each allowed http(s) image URL fetched (``check`` has passed): its bytes and MIME type join the part."""
+    async def _fetch_urls(self, messages: list[dict[str, Any]]) -> None:
+        """Each allowed http(s) image URL fetched (``_check`` has passed): its bytes and MIME type join the part."""
         parts = [p for p in image_parts(messages) if p["url"].startswith(("http://", "https://"))]
         if not parts:
             return
@@ -90,8 +102,8 @@ class GatewayImages:
             raise APIError(413, f"the image is over the {limit}-byte limit (max_image_bytes)", param=param)
         return bytes(raw), response.content_type
 
-    def patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
-        """Each image decoded and preprocessed (on a tokenizer thread): ImageError as the part's 400 / 413."""
+    def _patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
+        """Each image decoded and preprocessed: ImageError as the part's 400 / 413."""
         images = []
         for part in image_parts(messages):
             try:
@@ -109,7 +121,7 @@ class GatewayImages:
             self._processor = ImageProcessor(self._path)
         return self._processor(images)
 
-    def expand(self, ids: list[int], patches: list[ImagePatches]) -> list[int]:
+    def _expand(self, ids: list[int], patches: list[ImagePatches]) -> list[int]:
         """The prompt with one placeholder token per embedding row of each image (the template wrote one)."""
         if self.spec is None:
             return ids

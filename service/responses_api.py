@@ -101,7 +101,8 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image":
             url = require_str(part.get("image_url"), f"{where}[{j}].image_url")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+            parts.append({"type": "image_url", "image_url": {"url": url, **detail}})  # the chat parser checks it
         elif kind in _TEXT_PARTS:
             parts.append({"type": "text", "text": require_str(part.get("text"), f"{where}[{j}].text")})
         else:
