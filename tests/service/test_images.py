@@ -5,10 +5,12 @@ from __future__ import annotations
 
 
 import http.server
+import json
 import io
 import threading
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 import torch
@@ -20,7 +22,7 @@ from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
 from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, data_url, hf_vl_greedy, image
-from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, local_stack,
+from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, get_text, local_stack,
                                     post_json)
 
 MAX_TOKENS = 10
@@ -195,6 +197,9 @@ def test_tokenize_expands_each_image_as_the_chat_does(vl, vl_stack):
                                      "data": data_url(img).split(",", 1)[1]}},
         {"type": "text", "text": " what?"}]}])
     assert counted.input_tokens == tokens["count"]
+    with pytest.raises(anthropic.BadRequestError, match="unsupported image type"):
+        messages.messages.count_tokens(model=MODEL_NAME, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": "R0lGODlh"}}]}])
 
 
 def test_the_sdks_other_image_spellings_are_taken(vl, vl_stack):
@@ -230,3 +235,36 @@ def test_images_round_trip_the_wire_schema():
     bad[0]["shape"] = [15, 384]
     with pytest.raises(SchemaError, match="float32 bytes"):
         images_from_wire(bad)
+
+
+def served_schema(stack, path: str) -> jsonschema.Draft202012Validator:
+    """The request schema of ``path`` in the stack's own /openapi.json."""
+    operation = json.loads(get_text(f"{stack.url}/openapi.json"))["paths"][path]["post"]
+    return jsonschema.Draft202012Validator(operation["requestBody"]["content"]["application/json"]["schema"])
+
+
+def test_the_served_document_takes_the_image_parts_the_gateway_takes(vl_stack, image_host):
+    """For each spelling: whether the served document allows it, and what /tokenize answers. What no schema can
+    state (the bytes decode) is the one disagreement."""
+    png, gif = data_url(image(1)), "data:image/gif;base64,R0lGODlh"
+    cases = [(image_part(png), True, 200), ({"type": "image_url", "image_url": png}, True, 200),
+             ({"type": "image_url", "image_url": {"url": png, "detail": "low"}}, True, 200),
+             ({"type": "image_url", "image_url": {"url": png, "detail": "ultra"}}, False, 400),
+             (image_part(f"http://{image_host}/a.png"), True, 200), (image_part("https://example.com/a.png"), False, 400),
+             (image_part(gif), False, 400), (image_part(data_url(image(1, 160, 160))), False, 413),
+             (image_part("data:image/png;base64,AAAA"), True, 400)]  # valid base64, not a PNG
+    tokenize = served_schema(vl_stack, TOKENIZE_URL)
+    for part, allowed, status in cases:
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, part]}]}
+        assert tokenize.is_valid(body) == allowed, part
+        assert post_json(f"{vl_stack.url}{TOKENIZE_URL}", body)[0] == status, part
+    responses = served_schema(vl_stack, "/v1/responses")
+    item = {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                        {"type": "input_image", "image_url": png, "detail": "high"}]}
+    assert responses.is_valid({"input": [item]})
+    assert not responses.is_valid({"input": [{**item, "content": [{"type": "input_image", "image_url": gif}]}]})
+    messages = served_schema(vl_stack, "/v1/messages/count_tokens")
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png.split(",", 1)[1]}}
+    assert messages.is_valid({"messages": [{"role": "user", "content": [block]}]})
+    gif_block = {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": "R0lGODlh"}}
+    assert not messages.is_valid({"messages": [{"role": "user", "content": [gif_block]}]})
