@@ -86,8 +86,7 @@ class Gateway:
         """The rules a parsed request meets before it is admitted (the context length comes with its tokens)."""
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages if req.chat else None, req.tools, req.prompts, self.served.context_len())
-        self.images.check(req.messages)
-        await self.images.fetch(req.messages)  # --allowed-media-domains' image URLs
+        await self.images.read(req.messages)
         check_tool_parser(req.tools, self.config.tool_call_parser)
         await self._check_structured_output(http, req)
 
@@ -143,8 +142,7 @@ class Gateway:
         """The prompt's token ids and the detokenizers of its choices (which decode the prompt's tail)."""
         ids = self.prompts.encode(req)
         if req.chat:  # images: decoded and preprocessed here, once; their placeholders expanded
-            req.images = self.images.patches(req.messages)
-            ids = self.images.expand(ids, req.images)
+            ids, req.images = self.images.place(req.messages, ids)
         return ids, assembler_for(self.tokenizer, req, ids)
 
     def _check_capacity(self) -> None:
@@ -216,10 +214,17 @@ class Gateway:
         return web.json_response({"count": len(ids), "max_model_len": self.served.context_len(), "tokens": ids})
 
     async def token_ids(self, http: web.Request, req: TokenizeRequest) -> list[int]:
-        """A prompt's or a conversation's token ids, through the chat template as a generation would have them."""
+        """A prompt's or a conversation's token ids, through the chat template as a generation would have them:
+        each image's placeholder expanded to its image tokens, so the count is the chat's ``prompt_tokens``."""
         self.served.check_name(req.model)
         self.prompts.check_size(req.messages, req.tools, [req.prompt], self.served.context_len())
-        return await self.threads.run(http, self.prompts.encode_tokenize, req, bounded=True)
+        if req.messages is not None:
+            await self.images.read(req.messages)
+        return await self.threads.run(http, self._tokenized, req, bounded=True)
+
+    def _tokenized(self, req: TokenizeRequest) -> list[int]:
+        ids = self.prompts.encode_tokenize(req)
+        return ids if req.messages is None else self.images.place(req.messages, ids)[0]
 
     async def detokenize(self, http: web.Request) -> web.Response:
         model, ids = parse_detokenize(parse_json(await http.read()))

@@ -27,7 +27,7 @@ def build_app(gateway: Gateway) -> web.Application:
                           middlewares=[track_requests, _cors(config.cors_origins), _errors(gateway.metrics),
                                        gateway.tenancy.authenticate])
     status = Status(config=config, served=gateway.served, broker=gateway.broker, metrics=gateway.metrics,
-                    tenancy=gateway.tenancy, threads=gateway.threads)
+                    tenancy=gateway.tenancy, threads=gateway.threads, takes_images=gateway.images.spec is not None)
     _add_routes(app.router, gateway, status)
     # Started in this order, cleaned up in the reverse: the broker closes before the threads stop.
     app.cleanup_ctx.extend([_threads_lifetime(gateway.threads), _broker_lifetime(gateway.broker)])

@@ -32,10 +32,22 @@ class GatewayImages:
     def __init__(self, config: GatewayConfig, model_path: str | None) -> None:
         self.config = config
         self.spec = _vision_spec(model_path)
-        self._processor: ImageProcessor | None = None
-        self._path = model_path
+        # Loaded with the gateway (its imports take seconds), not on a first image request's tokenizer thread.
+        self._processor = None if self.spec is None else ImageProcessor(model_path)
 
-    def check(self, messages: list[dict[str, Any]]) -> None:
+    async def read(self, messages: list[dict[str, Any]]) -> None:
+        """A chat's images admitted before it is tokenized, for a generation and /tokenize alike: the limits
+        that need no decoding checked, then each allowed http(s) URL fetched."""
+        self._check(messages)
+        await self._fetch_urls(messages)
+
+    def place(self, messages: list[dict[str, Any]], ids: list[int]) -> tuple[list[int], list[ImagePatches]]:
+        """The rendered prompt ``ids`` with each image's placeholder expanded to its embedding rows, and the
+        images' patches: decoded and preprocessed once (on a tokenizer thread, after ``read``)."""
+        patches = self._patches(messages)
+        return self._expand(ids, patches), patches
+
+    def _check(self, messages: list[dict[str, Any]]) -> None:
         """The limits that need no decoding: the model takes images, how many, data URLs only, encoded size."""
         parts = list(image_parts(messages))
         if not parts:
@@ -56,12 +68,12 @@ class GatewayImages:
             if not url.startswith("data:"):
                 raise APIError(400, "an image_url must be a data URL (data:image/png;base64,...)",
                                param=part["param"])
-            if len(url) * 3 // 4 > self.config.max_image_bytes + 64:  # base64 and the header, before any decoding
+            if len(url) > max_data_url_chars(self.config.max_image_bytes):  # before any decoding
                 raise APIError(413, f"the image is over the {self.config.max_image_bytes}-byte limit "
                                     "(max_image_bytes)", param=part["param"])
 
-    async def fetch(self, messages: list[dict[str, Any]]) -> None:
-        """Each allowed http(s) image URL fetched (``check`` has passed): its bytes and MIME type join the part."""
+    async def _fetch_urls(self, messages: list[dict[str, Any]]) -> None:
+        """Each allowed http(s) image URL fetched (``_check`` has passed): its bytes and MIME type join the part."""
         parts = [p for p in image_parts(messages) if p["url"].startswith(("http://", "https://"))]
         if not parts:
             return
@@ -90,8 +102,8 @@ class GatewayImages:
             raise APIError(413, f"the image is over the {limit}-byte limit (max_image_bytes)", param=param)
         return bytes(raw), response.content_type
 
-    def patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
-        """Each image decoded and preprocessed (on a tokenizer thread): ImageError as the part's 400 / 413."""
+    def _patches(self, messages: list[dict[str, Any]]) -> list[ImagePatches]:
+        """Each image decoded and preprocessed: ImageError as the part's 400 / 413."""
         images = []
         for part in image_parts(messages):
             try:
@@ -103,13 +115,9 @@ class GatewayImages:
                                                   self.config.max_image_pixels))
             except ImageError as exc:
                 raise APIError(exc.status, str(exc), param=part["param"]) from None
-        if not images:
-            return []
-        if self._processor is None:
-            self._processor = ImageProcessor(self._path)
-        return self._processor(images)
+        return self._processor(images) if images else []
 
-    def expand(self, ids: list[int], patches: list[ImagePatches]) -> list[int]:
+    def _expand(self, ids: list[int], patches: list[ImagePatches]) -> list[int]:
         """The prompt with one placeholder token per embedding row of each image (the template wrote one)."""
         if self.spec is None:
             return ids
@@ -118,6 +126,12 @@ class GatewayImages:
         except ValueError as exc:
             raise APIError(400, f"{exc} (the chat template must write one image placeholder per image part)",
                            param="messages") from None
+
+
+def max_data_url_chars(max_bytes: int) -> int:
+    """The longest data URL taken for an image of at most ``max_bytes``: its base64 (4 characters for 3 bytes),
+    with room for the header."""
+    return (4 * (max_bytes + 65) - 1) // 3
 
 
 def _vision_spec(model_path: str | None) -> VisionSpec | None:

@@ -23,8 +23,10 @@ from engine.structured_output import MAX_CHOICES
 
 from service import dashboard
 from service.config import GatewayConfig
+from service.openapi_images import ImageSchemas, image_schemas
 from service.protocol import (_TEMPLATE_ARGS, EMBEDDING_ENCODINGS, MAX_CACHE_SALT_CHARS, MAX_EMBEDDING_INPUTS,
                               MAX_LOGIT_BIAS, MAX_PRIORITY, ROLES, SO_SOURCES)
+from service.responses_api import TEXT_PARTS as RESPONSES_TEXT_PARTS
 from service.tools import MAX_TOOLS, TOOL_NAME
 
 # Routes that answer without an API key: the probes (Kubernetes' httpGet probes cannot send one; /ready
@@ -98,15 +100,23 @@ _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
         "arguments": {"oneOf": [{"type": "object"}, {
             "type": "string", "contentMediaType": "application/json", "contentSchema": {"type": "object"},
             "description": "a JSON object as text (or blank: no arguments)"}]}}}}}
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": sorted(ROLES)},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
-    "name": {"type": "string"}, "tool_call_id": {"type": "string"},
-    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"}},
-    # Only an assistant's message may leave out its content (or carry tool calls).
-    "if": {"properties": {"role": {"const": "assistant"}}},
-    "else": {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}},
-             "not": {"required": ["tool_calls"]}}}
+
+
+def _messages(part: dict[str, Any]) -> dict[str, Any]:
+    """Chat's messages, whose content is text or a list of ``part``s."""
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": sorted(ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}]},
+        "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"}},
+        # Only an assistant's message may leave out its content (or carry tool calls).
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}},
+                 "not": {"required": ["tool_calls"]}}}
+    return {"type": "array", "minItems": 1, "items": message}
+
+
+_MESSAGES = _messages(_TEXT_PART)  # a text-only model's
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "pattern": f"^{TOOL_NAME.pattern}$",
@@ -123,7 +133,7 @@ _TOOL_FIELDS = {"tools": {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL
 _TEMPLATE_KWARGS = {"type": "object", "propertyNames": {"not": {"enum": sorted(_TEMPLATE_ARGS)}},
                     "description": "extra chat template variables, e.g. {\"enable_thinking\": false}; not "
                                    "apply_chat_template's own arguments"}
-_CHAT = {**_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+_CHAT = {**_SAMPLING, "messages": _MESSAGES,
          "max_completion_tokens": _MAX_TOKENS, "logprobs": {"type": "boolean"},
          "top_logprobs": _param(_PARAMS["logprobs"]), **_TOOL_FIELDS, "add_generation_prompt": {"type": "boolean"},
          "chat_template_kwargs": _TEMPLATE_KWARGS}
@@ -207,13 +217,18 @@ _FORCED_CALL_NEEDS_TOOLS = {"anyOf": [_branch({"tool_choice": _NOT_FORCED}),
                                       _branch({"tools": {"minItems": 1}}, "tools")]}
 
 
-# A body with 'messages' (whatever its value) is read as the chat form.
-_TOKENIZE = {"oneOf": [
-    {"type": "object", "required": ["prompt"], "not": {"required": ["messages"]}, "properties": {
-        "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
-    {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, "add_generation_prompt": {"type": "boolean"},
-        **_TOOL_FIELDS, "chat_template_kwargs": _TEMPLATE_KWARGS}, "allOf": [_FORCED_CALL_NEEDS_TOOLS]}]}
+
+
+def _tokenize(messages: dict[str, Any]) -> dict[str, Any]:
+    """A prompt, or chat ``messages`` (a body with 'messages', whatever its value, is read as the chat form)."""
+    return {"oneOf": [
+        {"type": "object", "required": ["prompt"], "not": {"required": ["messages"]}, "properties": {
+            "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
+        {"type": "object", "required": ["messages"], "properties": {
+            "messages": messages, "add_generation_prompt": {"type": "boolean"}, **_TOOL_FIELDS,
+            "chat_template_kwargs": _TEMPLATE_KWARGS}, "allOf": [_FORCED_CALL_NEEDS_TOOLS]}]}
+
+
 _DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0},
                "description": "ids within the vocabulary, at most the context length of them"}}}
@@ -261,14 +276,14 @@ def _errors(statuses: dict[str, str]) -> dict[str, Any]:
 
 
 def _generation_op(summary: str, properties: dict[str, Any], required: list[str],
-                   rules: list[dict[str, Any]]) -> dict[str, Any]:
+                   rules: list[dict[str, Any]], errors: dict[str, str] = _GENERATION_ERRORS) -> dict[str, Any]:
     ok = {"description": "a completion, or a text/event-stream of chunks ending with 'data: [DONE]' (': keep-alive' "
                          "comments while no chunk flows)",
           "content": {"application/json": {}, "text/event-stream": {}}, "headers": _STREAM_HEADERS}
     schema = {"type": "object", "required": required, "properties": properties, "allOf": rules}
     return {"post": {"summary": summary, "parameters": [_LAST_EVENT_ID, _RESUMABLE], "requestBody": {
         "required": True, "content": {"application/json": {"schema": schema}}},
-        "responses": {"200": ok, **_errors(_GENERATION_ERRORS)}}}
+        "responses": {"200": ok, **_errors(errors)}}}
 
 
 def _resume_op() -> dict[str, Any]:
@@ -315,14 +330,16 @@ _ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
         "type": {"type": "string"}, "message": {"type": "string"}}}}}
 _BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}}
-_ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["user", "assistant"]}, "content": {"type": ["string", "array"], "items": _BLOCKS["items"]}}}
 
 
-def _messages_schema(model_name: str, count_only: bool) -> dict[str, Any]:
-    """Anthropic's Messages body as this server takes it (service.anthropic_api)."""
+def _messages_schema(model_name: str, count_only: bool, image: dict[str, Any] | None) -> dict[str, Any]:
+    """Anthropic's Messages body as this server takes it (service.anthropic_api); ``image``: its image block."""
+    block = _BLOCKS["items"] if image is None else {"oneOf": [image, {**_BLOCKS["items"], "properties": {
+        "type": {"type": "string", "not": {"const": "image"}}}}]}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["user", "assistant"]}, "content": {"type": ["string", "array"], "items": block}}}
     properties = {
-        "model": {"enum": [model_name]}, "messages": {"type": "array", "minItems": 1, "items": _ANTHROPIC_MESSAGE},
+        "model": {"enum": [model_name]}, "messages": {"type": "array", "minItems": 1, "items": message},
         "system": {"type": ["string", "array"], "items": _BLOCKS["items"]},
         "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"]}},
         "tool_choice": {"type": "object", "required": ["type"],
@@ -336,24 +353,28 @@ def _messages_schema(model_name: str, count_only: bool) -> dict[str, Any]:
             "properties": properties}
 
 
-def _translated_op(summary: str, schema: dict[str, Any], answer: str, error: dict[str, Any]) -> dict[str, Any]:
+def _translated_op(summary: str, schema: dict[str, Any], answer: str, error: dict[str, Any],
+                   statuses: dict[str, str]) -> dict[str, Any]:
     """An API translated onto the chat path: its body, its answer (whole or streamed), its errors' shape."""
     errors = {code: {"description": text, "content": {"application/json": {"schema": error}}}
-              for code, text in _GENERATION_ERRORS.items()}
+              for code, text in statuses.items()}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": schema}}}, "responses": {"200": {"description": answer, "content": {
             "application/json": {}, "text/event-stream": {}}}, **errors}}}
 
 
-_INPUT_ITEM = {"type": "object", "properties": {
-    "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
-    "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": {"type": ["string", "array"]}}}
-
-
-def _responses_schema(model_name: str) -> dict[str, Any]:
-    """OpenAI's Responses body as this server takes it (service.responses_api)."""
+def _responses_schema(model_name: str, image: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI's Responses body as this server takes it (service.responses_api); ``image``: its input_image part."""
+    content: dict[str, Any] = {"type": ["string", "array"]}
+    if image is not None:
+        text = {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": list(RESPONSES_TEXT_PARTS)}, "text": {"type": "string"}}}
+        content = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [text, image]}}]}
+    item = {"type": "object", "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": content}}
     return {"type": "object", "required": ["input"], "properties": {
-        "model": {"enum": [model_name]}, "input": {"type": ["string", "array"], "minItems": 1, "items": _INPUT_ITEM},
+        "model": {"enum": [model_name]}, "input": {"type": ["string", "array"], "minItems": 1, "items": item},
         "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number"},
         "stream": {"type": "boolean"}, "parallel_tool_calls": {"type": "boolean"},
@@ -413,6 +434,13 @@ def _dashboard_ops() -> dict[str, Any]:
             for path, (name, content_type) in dashboard.PAGES.items()}
 
 
+def _with_image_errors(statuses: dict[str, str], images: ImageSchemas | None) -> dict[str, str]:
+    """A route's error statuses with what the image rules answer (a vision-language model's) added."""
+    if images is None:
+        return statuses
+    return statuses | {code: f"{statuses[code]}; {text}" for code, text in images.errors.items()}
+
+
 def _with_server_caps(properties: dict[str, Any], model_name: str, config: GatewayConfig) -> dict[str, Any]:
     """The request fields as this server takes them: its model, and its caps on top of SamplingParams'."""
     capped = {**properties, "model": {"enum": [model_name]}, "n": {**properties["n"], "maximum": config.max_n},
@@ -447,13 +475,19 @@ def _with_auth(path: str, operation: dict[str, Any], config: GatewayConfig) -> d
     return operation | {"security": [{"bearer": []}], "responses": {**operation["responses"], **_errors(refusals)}}
 
 
-def openapi_document(model_name: str, config: GatewayConfig | None = None,
-                     pooler: PoolerConfig | None = None) -> dict[str, Any]:
+def openapi_document(model_name: str, config: GatewayConfig | None = None, pooler: PoolerConfig | None = None,
+                     takes_images: bool = False) -> dict[str, Any]:
+    """``takes_images``: a vision-language model's, whose chats (and /tokenize) take image parts."""
     config = config or GatewayConfig()
-    chat, completion = (_with_server_caps(p, model_name, config) for p in (_CHAT, _COMPLETION))
+    images = image_schemas(config) if takes_images else None
+    messages = _MESSAGES if images is None else _messages({"oneOf": [_TEXT_PART, images.chat_part]})
+    chat, completion = (_with_server_caps(p, model_name, config) for p in ({**_CHAT, "messages": messages},
+                                                                          _COMPLETION))
+    chat_errors = _with_image_errors(_GENERATION_ERRORS, images)
+    block, input_image = (None, None) if images is None else (images.anthropic_block, images.input_image)
     paths = {
         "/v1/chat/completions": _generation_op("Chat completion", chat, ["messages"],
-                                               _generation_rules(config, chat=True)),
+                                               _generation_rules(config, chat=True), chat_errors),
         "/v1/completions": _generation_op("Text completion", completion, ["prompt"],
                                           _generation_rules(config, chat=False)),
         "/v1/embeddings": _post_op("Embeddings: a vector per input, pooled as the checkpoint says",
@@ -461,17 +495,22 @@ def openapi_document(model_name: str, config: GatewayConfig | None = None,
                                    "embedding}], model, usage}", _EMBEDDING_ERRORS),
         "/v1/streams/{request_id}": _resume_op(),
         "/v1/messages": _translated_op("Anthropic Messages: a message, or its stream of events",
-                                       _messages_schema(model_name, count_only=False),
-                                       "a message, or a text/event-stream of Anthropic's events", _ANTHROPIC_ERROR),
-        "/v1/messages/count_tokens": _translated_op("Anthropic Messages: the input's token count",
-                                                    _messages_schema(model_name, count_only=True), "{input_tokens}",
-                                                    _ANTHROPIC_ERROR),
+                                       _messages_schema(model_name, False, block),
+                                       "a message, or a text/event-stream of Anthropic's events", _ANTHROPIC_ERROR,
+                                       chat_errors),
+        "/v1/messages/count_tokens": _translated_op("Anthropic Messages: the input's token count (an image's "
+                                                    "tokens too)",
+                                                    _messages_schema(model_name, True, block),
+                                                    "{input_tokens}", _ANTHROPIC_ERROR, chat_errors),
         "/v1/responses": _translated_op("OpenAI Responses: a response, or its stream of events",
-                                        _responses_schema(model_name),
-                                        "a Response, or a text/event-stream of the Responses events", _ERROR),
+                                        _responses_schema(model_name, input_image),
+                                        "a Response, or a text/event-stream of the Responses events", _ERROR,
+                                        chat_errors),
         **_stored_response_ops(),
-        "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template",
-                              _for_model(_TOKENIZE, model_name), "{tokens, count, max_model_len}"),
+        "/tokenize": _post_op("Token ids of a prompt, or of messages through the chat template (each image's "
+                              "placeholder as many tokens as the image has: the chat's prompt_tokens)",
+                              _for_model(_tokenize(messages), model_name), "{tokens, count, max_model_len}",
+                              _with_image_errors(_TOKENIZER_ERRORS, images)),
         "/detokenize": _post_op("The text of token ids", _for_model(_DETOKENIZE, model_name), "{prompt}"),
         "/v1/models": _get_op("The served model"),
         "/v1/models/{model}": _model_op(model_name),

@@ -52,6 +52,8 @@ MAX_CACHE_SALT_CHARS = 256
 MAX_PRIORITY = 2**31 - 1  # vLLM's priority is an int; a bound keeps it one on every wire
 MAX_JSON_DEPTH = 32  # a chat body needs 4 (body, messages, message, content parts)
 EMBEDDING_ENCODINGS = ("float", "base64")
+# OpenAI's image detail levels: accepted and ignored (the checkpoint's image processor sets the resolution).
+IMAGE_DETAILS = ("auto", "low", "high")
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
 _EMBEDDINGS = {"input", "model", "encoding_format", "dimensions", "user"}  # user: accepted, without effect
 
@@ -352,7 +354,7 @@ def _parse_message(i: int, message: Any) -> dict[str, Any]:
 def parse_content_parts(parts: list[Any], param: str) -> str | list[dict[str, Any]]:
     """Text parts joined into one string; with image_url parts, the parts as a chat template takes them: text
     parts, and ``{"type": "image"}`` parts keeping their URL and field name for the gateway's image reader
-    (service/images.py)."""
+    (service/images.py). An image_url is ``{"url", "detail"}`` or, as some clients send it, the URL alone."""
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         where = f"{param}[{j}]"
@@ -364,6 +366,9 @@ def parse_content_parts(parts: list[Any], param: str) -> str | list[dict[str, An
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str):
                 raise APIError(400, f"{where}.image_url.url must be a string", param=f"{where}.image_url")
+            if isinstance(image, dict) and image.get("detail") not in (None, *IMAGE_DETAILS):
+                raise APIError(400, f"{where}.image_url.detail must be one of {', '.join(IMAGE_DETAILS)}",
+                               param=f"{where}.image_url.detail")
             out.append({"type": "image", "url": url, "param": f"{where}.image_url"})
         else:
             raise APIError(400, f"{where}: only text and image_url parts are supported", param=where)

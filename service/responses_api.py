@@ -20,7 +20,7 @@ _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_t
            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "background",
            "reasoning", "metadata", "user", "include", "truncation", "service_tier", "prompt_cache_key",
            "safety_identifier", "stream_options", "max_tool_calls"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def to_chat_body(body: dict[str, Any], previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -101,8 +101,9 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image":
             url = require_str(part.get("image_url"), f"{where}[{j}].image_url")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        elif kind in _TEXT_PARTS:
+            detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+            parts.append({"type": "image_url", "image_url": {"url": url, **detail}})  # the chat parser checks it
+        elif kind in TEXT_PARTS:
             parts.append({"type": "text", "text": require_str(part.get("text"), f"{where}[{j}].text")})
         else:
             raise APIError(400, f"unsupported content part type {kind!r} (text and input_image parts are)",

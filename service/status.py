@@ -20,8 +20,9 @@ from service.tokenizer_threads import TokenizerThreads
 
 class Status:
     def __init__(self, *, config: GatewayConfig, served: ServedModel, broker: GatewayBroker,
-                 metrics: GatewayMetrics, tenancy: Tenancy, threads: TokenizerThreads) -> None:
+                 metrics: GatewayMetrics, tenancy: Tenancy, threads: TokenizerThreads, takes_images: bool) -> None:
         self._config = config
+        self._takes_images = takes_images  # a vision-language model's document describes its image parts
         self._served = served
         self._broker = broker
         self._metrics = metrics
@@ -54,7 +55,8 @@ class Status:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, _: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self._served.name, self._config, self._served.pooler))
+        return web.json_response(openapi_document(self._served.name, self._config, self._served.pooler,
+                                                  self._takes_images))
 
     async def dashboard_page(self, http: web.Request) -> web.Response:
         body, content_type = dashboard.page(http.path)

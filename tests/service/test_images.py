@@ -5,10 +5,12 @@ from __future__ import annotations
 
 
 import http.server
+import json
 import io
 import threading
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 import torch
@@ -19,12 +21,13 @@ from engine.multimodal.inputs import ImagePatches
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
-from loadtest.vl_checkpoint import build_vl_checkpoint, data_url, hf_vl_greedy, image
-from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, local_stack,
+from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, data_url, hf_vl_greedy, image
+from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, get_text, local_stack,
                                     post_json)
 
 MAX_TOKENS = 10
 CHAT_URL = "/v1/chat/completions"
+TOKENIZE_URL = "/tokenize"
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +54,26 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def transformers_answer(vl, img: Image.Image) -> tuple[str, int]:
-    """transformers' greedy answer to "Look: <image> what?" as one user message, and its prompt's tokens."""
-    path, model = vl
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": [
+def look_what(path: str) -> str:
+    """The chat template's rendering of "Look: <image> what?" as one user message."""
+    return AutoTokenizer.from_pretrained(path).apply_chat_template([{"role": "user", "content": [
         {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " what?"}]}],
         tokenize=False, add_generation_prompt=True)
-    expected = hf_vl_greedy(model, path, text, [img], MAX_TOKENS)
-    prompt_tokens = len(tokenizer(text).input_ids) - 1 + (img.width // 16) * (img.height // 16)
-    return tokenizer.decode(expected, skip_special_tokens=True), prompt_tokens
+
+
+def reference_ids(path: str, img: Image.Image) -> list[int]:
+    """That prompt's ids as transformers' Qwen2.5-VL processor makes them: the image's one placeholder token
+    repeated once per merged 16 x 16 cell (8-pixel patches, 2 x 2 merged)."""
+    rows = (img.width // 16) * (img.height // 16)
+    return [t for token in AutoTokenizer.from_pretrained(path)(look_what(path)).input_ids
+            for t in ([token] * rows if token == IMAGE else [token])]
+
+
+def transformers_answer(vl, img: Image.Image) -> tuple[str, int]:
+    """transformers' greedy answer to "Look: <image> what?", and its prompt's tokens."""
+    path, model = vl
+    expected = hf_vl_greedy(model, path, look_what(path), [img], MAX_TOKENS)
+    return AutoTokenizer.from_pretrained(path).decode(expected, skip_special_tokens=True), len(reference_ids(path, img))
 
 
 def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
@@ -141,24 +154,75 @@ def test_responses_input_image_and_messages_image_block_equal_transformers(vl, v
     ({"type": "input_audio", "input_audio": {}}, 400, "messages[0].content[1]", "only text and image_url parts"),
 ])
 def test_bad_images_are_refused_naming_the_part(vl_stack, part, status, param, message):
-    code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat({"type": "text", "text": "Look: "}, part))
-    assert code == status, body
-    assert body["error"]["param"] == param and message in body["error"]["message"]
+    for route in (CHAT_URL, TOKENIZE_URL):  # /tokenize reads a chat's images as the chat does
+        code, body = post_json(f"{vl_stack.url}{route}", chat({"type": "text", "text": "Look: "}, part))
+        assert code == status, (route, body)
+        assert body["error"]["param"] == param and message in body["error"]["message"], route
 
 
 def test_too_many_images_are_refused(vl_stack):
     url = data_url(image(1))
-    code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat(*[image_part(url)] * 3))
-    assert code == 400 and body["error"]["param"] == "messages" and "max_images_per_request" in body["error"]["message"]
+    for route in (CHAT_URL, TOKENIZE_URL):
+        code, body = post_json(f"{vl_stack.url}{route}", chat(*[image_part(url)] * 3))
+        assert code == 400 and body["error"]["param"] == "messages", route
+        assert "max_images_per_request" in body["error"]["message"], route
 
 
 async def test_an_image_to_a_text_only_model_is_refused(tokenizer):
     bus = MemoryBus()
     async with gateway_client(GatewayConfig(), tokenizer, bus) as client:
-        response = await client.post(CHAT_URL, json=chat(image_part(data_url(image(1)))))
-        body = await response.json()
-    assert response.status == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
-    assert "text-only" in body["error"]["message"] and not any(bus.queued.values())
+        for route in (CHAT_URL, TOKENIZE_URL):
+            response = await client.post(route, json=chat(image_part(data_url(image(1)))))
+            body = await response.json()
+            assert response.status == 400 and body["error"]["param"] == "messages[0].content[0].image_url", route
+            assert "text-only" in body["error"]["message"], route
+    assert not any(bus.queued.values())
+
+
+def test_tokenize_expands_each_image_as_the_chat_does(vl, vl_stack):
+    """/tokenize of a chat with images: each placeholder as many tokens as the image has embedding rows, the
+    count the chat's usage.prompt_tokens reports; Anthropic's count_tokens counts them too."""
+    path, _ = vl
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    for img in (image(3), image(4, 96, 48)):
+        body = chat({"type": "text", "text": "Look: "}, image_part(data_url(img)), {"type": "text", "text": " what?"})
+        code, tokens = post_json(f"{vl_stack.url}{TOKENIZE_URL}", body)
+        assert code == 200 and tokens["tokens"] == reference_ids(path, img), tokens
+        used = client.chat.completions.create(**{**body, "max_tokens": 1}).usage.prompt_tokens
+        assert tokens["count"] == used == len(tokens["tokens"]) and tokens["tokens"].count(IMAGE) > 1
+    messages = anthropic.Anthropic(base_url=vl_stack.url, api_key=API_KEY, max_retries=0)
+    counted = messages.messages.count_tokens(model=MODEL_NAME, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data_url(img).split(",", 1)[1]}},
+        {"type": "text", "text": " what?"}]}])
+    assert counted.input_tokens == tokens["count"]
+    with pytest.raises(anthropic.BadRequestError, match="unsupported image type"):
+        messages.messages.count_tokens(model=MODEL_NAME, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": "R0lGODlh"}}]}])
+
+
+def test_the_sdks_other_image_spellings_are_taken(vl, vl_stack):
+    """image_url as the URL alone (as some clients send it), with each detail level (accepted, ignored), and the
+    Responses API's input_image with its detail: each answer transformers'."""
+    img = image(11)
+    expected, prompt_tokens = transformers_answer(vl, img)
+    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
+    url = data_url(img)
+    for spelling in (url, {"url": url, "detail": "auto"}, {"url": url, "detail": "low"},
+                     {"url": url, "detail": "high"}):
+        out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "},
+                                                    {"type": "image_url", "image_url": spelling},
+                                                    {"type": "text", "text": " what?"}))
+        assert (out.choices[0].message.content, out.usage.prompt_tokens) == (expected, prompt_tokens), spelling
+    response = client.responses.create(model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                     {"type": "input_image", "image_url": url, "detail": "low"},
+                                     {"type": "input_text", "text": " what?"}]}])
+    assert response.output_text == expected
+    code, body = post_json(f"{vl_stack.url}{CHAT_URL}", chat({"type": "image_url",
+                                                              "image_url": {"url": url, "detail": "ultra"}}))
+    assert code == 400 and body["error"]["param"] == "messages[0].content[0].image_url.detail"
 
 
 def test_images_round_trip_the_wire_schema():
@@ -171,3 +235,36 @@ def test_images_round_trip_the_wire_schema():
     bad[0]["shape"] = [15, 384]
     with pytest.raises(SchemaError, match="float32 bytes"):
         images_from_wire(bad)
+
+
+def served_schema(stack, path: str) -> jsonschema.Draft202012Validator:
+    """The request schema of ``path`` in the stack's own /openapi.json."""
+    operation = json.loads(get_text(f"{stack.url}/openapi.json"))["paths"][path]["post"]
+    return jsonschema.Draft202012Validator(operation["requestBody"]["content"]["application/json"]["schema"])
+
+
+def test_the_served_document_takes_the_image_parts_the_gateway_takes(vl_stack, image_host):
+    """For each spelling: whether the served document allows it, and what /tokenize answers. What no schema can
+    state (the bytes decode) is the one disagreement."""
+    png, gif = data_url(image(1)), "data:image/gif;base64,R0lGODlh"
+    cases = [(image_part(png), True, 200), ({"type": "image_url", "image_url": png}, True, 200),
+             ({"type": "image_url", "image_url": {"url": png, "detail": "low"}}, True, 200),
+             ({"type": "image_url", "image_url": {"url": png, "detail": "ultra"}}, False, 400),
+             (image_part(f"http://{image_host}/a.png"), True, 200), (image_part("https://example.com/a.png"), False, 400),
+             (image_part(gif), False, 400), (image_part(data_url(image(1, 160, 160))), False, 413),
+             (image_part("data:image/png;base64,AAAA"), True, 400)]  # valid base64, not a PNG
+    tokenize = served_schema(vl_stack, TOKENIZE_URL)
+    for part, allowed, status in cases:
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, part]}]}
+        assert tokenize.is_valid(body) == allowed, part
+        assert post_json(f"{vl_stack.url}{TOKENIZE_URL}", body)[0] == status, part
+    responses = served_schema(vl_stack, "/v1/responses")
+    item = {"role": "user", "content": [{"type": "input_text", "text": "Look: "},
+                                        {"type": "input_image", "image_url": png, "detail": "high"}]}
+    assert responses.is_valid({"input": [item]})
+    assert not responses.is_valid({"input": [{**item, "content": [{"type": "input_image", "image_url": gif}]}]})
+    messages = served_schema(vl_stack, "/v1/messages/count_tokens")
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png.split(",", 1)[1]}}
+    assert messages.is_valid({"messages": [{"role": "user", "content": [block]}]})
+    gif_block = {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": "R0lGODlh"}}
+    assert not messages.is_valid({"messages": [{"role": "user", "content": [gif_block]}]})

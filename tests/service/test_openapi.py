@@ -181,3 +181,37 @@ async def test_a_method_not_allowed_names_the_allowed_ones(tokenizer) -> None:
             error = (await response.json())["error"]
             assert error["type" if path.startswith("/v1/messages") else "code"] in ("invalid_request_error",
                                                                                  "method_not_allowed"), path
+
+
+# ---- a vision-language model's document -----------------------------------------
+IMAGE_ROUTES = {"/v1/chat/completions": "ImageURLPart", "/tokenize": "ImageURLPart",
+                "/v1/responses": "InputImagePart", "/v1/messages": "AnthropicImageBlock",
+                "/v1/messages/count_tokens": "AnthropicImageBlock"}
+
+
+def titles(schema: Any) -> set[str]:
+    """The titles of every subschema of ``schema``."""
+    if isinstance(schema, list):
+        return set().union(*map(titles, schema))
+    if not isinstance(schema, dict):
+        return set()
+    own = {schema["title"]} if isinstance(schema.get("title"), str) else set()
+    return own.union(*map(titles, schema.values()))
+
+
+@pytest.mark.parametrize("takes_images", [False, True])
+def test_the_document_is_openapi_and_names_the_image_parts_a_vision_model_takes(takes_images: bool) -> None:
+    definitions = pytest.importorskip("schemathesis.specs.openapi.definitions")
+    config = GatewayConfig(allowed_media_domains=("img.example.com",))
+    document = openapi_document(MODEL_NAME, config, takes_images=takes_images)
+    definitions.OPENAPI_31_VALIDATOR.validate(document)  # the OpenAPI 3.1 meta-schema
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            if "requestBody" in operation:
+                schema = operation["requestBody"]["content"]["application/json"]["schema"]
+                jsonschema.Draft202012Validator.check_schema(schema)
+                named = titles(schema)
+                assert named == ({IMAGE_ROUTES[path]} if takes_images and path in IMAGE_ROUTES else set()), path
+            if path in IMAGE_ROUTES:
+                too_large = operation["responses"]["413"]["description"]
+                assert ("--max-image-bytes" in too_large) == takes_images, path
