@@ -11,10 +11,11 @@ from engine.distributed.parallel_state import TensorParallel
 from engine.models.config import read_model_config
 from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.multimodal.mrope import mrope_sections
+from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from .conftest import backends
 from .test_qwen2_5_vl import SCENARIOS as QWEN2_5_SCENARIOS
 from .test_qwen2_5_vl import MAX_NEW, check_greedy, check_prefix_keys, generate, make_llm, vl_prompts
-from loadtest.vl_checkpoint import build_vl_checkpoint, hf_vl_greedy, qwen3_vl_config
+from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, hf_vl_greedy, qwen3_vl_config
 
 # Qwen2.5-VL's test prompts and scenarios (tests/engine/test_qwen2_5_vl.py), the images twice as large for
 # 16-pixel patches; in "chunked" an image's main and DeepStack rows reach the step in pieces.
@@ -71,3 +72,23 @@ def test_tensor_parallel_is_refused(vl):
     cfg = read_model_config(vl[0])
     with pytest.raises(ValueError, match="tensor parallelism is not supported for vision-language models"):
         Qwen3VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32, TensorParallel(rank=0, size=2))
+
+
+def test_tower_and_positions_equal_transformers(vl):
+    """The tower's rows (main and DeepStack) and the prompt's 3-D positions, against transformers' own
+    ``get_image_features`` and ``get_rope_index``, on two images of other grids than the learned 4 x 4."""
+    path, model = vl
+    llm = make_llm(path, enable_prefix_caching=False)
+    text, images = PROMPTS[2]
+    patches = ImageProcessor(path)(images)
+    ids = expand_image_tokens(llm.tokenizer(text).input_ids, patches, llm.engine.images.spec)
+    pixels, grids = torch.cat([p.pixel_values for p in patches]), torch.tensor([p.grid_thw for p in patches])
+    hf = model.model.get_image_features(pixels, grids)
+    expected = [torch.cat([main, *levels], dim=-1)
+                for main, *levels in zip(hf.pooler_output, *hf.deepstack_features)]
+    got = llm.engine.runner.model.encode_images(patches)
+    assert all(torch.allclose(g, e, rtol=1e-4, atol=1e-4) for g, e in zip(got, expected, strict=True))
+    multimodal, _ = llm.engine.images.inputs(ids, patches, None)
+    input_ids = torch.tensor([ids])
+    positions, delta = model.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), grids)
+    assert torch.equal(multimodal.positions, positions[:, 0]) and multimodal.delta == int(delta)
