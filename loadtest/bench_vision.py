@@ -2,9 +2,11 @@
 requests, and the encoder cache's effect (the same image in every request against a distinct one each).
 
     python -m loadtest.bench_vision [--num-requests 16] [--max-tokens 32] [--image-size 224] [--threads 2]
+                                    [--family qwen2.5-vl|qwen3-vl]
 
-Model: a random-weight Qwen2.5-VL built here (loadtest/vl_checkpoint.py; ``--layers`` text layers of 4 heads x 64,
-a ``--depth``-block tower of width 128, fp32), its image processor and a character tokenizer. Requests: "Describe
+Model: a random-weight Qwen2.5-VL (8-pixel patches) or Qwen3-VL (16-pixel patches, DeepStack) built here
+(loadtest/vl_checkpoint.py; ``--layers`` text layers of 4 heads x 64, a ``--depth``-block tower of width 128,
+fp32), its image processor and a character tokenizer. Requests: "Describe
 <image> briefly." with a random ``--image-size`` pixel square image each (distinct seeds), greedy, ``ignore_eos``,
 ``--max-tokens`` new tokens; all submitted at once to the engine (``LLM.generate``), one after another to
 transformers (``generate`` with the processor's pixel values; eager attention). TTFT: the engine's from each
@@ -26,7 +28,8 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from loadtest.vl_checkpoint import PLACEHOLDER, build_vl_checkpoint, hf_vl_greedy, image, vl_config
+from engine.multimodal.processor import ImageProcessor
+from loadtest.vl_checkpoint import PLACEHOLDER, VL_CONFIGS, build_vl_checkpoint, hf_vl_greedy, image
 
 PROMPT = "Describe " + PLACEHOLDER + " briefly."
 
@@ -62,16 +65,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=224, help="pixels a side (multiple of 16)")
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="pixels a side (a multiple of 16 for qwen2.5-vl, of 32 for qwen3-vl)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--family", choices=sorted(VL_CONFIGS), default="qwen2.5-vl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     side = args.image_size
     distinct = [image(seed, side, side) for seed in range(args.num_requests)]
     with tempfile.TemporaryDirectory() as path:
-        model = build_vl_checkpoint(path, vl_config(layers=args.layers, heads=4, depth=args.depth, vision_hidden=128))
+        config = VL_CONFIGS[args.family](layers=args.layers, heads=4, depth=args.depth, vision_hidden=128)
+        model = build_vl_checkpoint(path, config)
+        patches = ImageProcessor(path)(distinct[:1])[0].pixel_values  # the processor may resize the image
+        image_tokens = len(patches) // config.vision_config.spatial_merge_size ** 2
         hf = transformers_run(model, path, distinct, args.max_tokens)
         ours = engine_run(path, distinct, args.max_tokens, args.threads, prefix_caching=True)
         if ours["tokens"] != hf["tokens"]:
@@ -79,7 +87,7 @@ def main() -> None:
         repeated = engine_run(path, [distinct[0]] * args.num_requests, args.max_tokens, args.threads, False)
         fresh = engine_run(path, distinct, args.max_tokens, args.threads, False)
     generated = args.num_requests * args.max_tokens
-    print(f"{args.num_requests} requests, one {side}x{side} image each ({(side // 16) ** 2} image tokens), "
+    print(f"{args.family}: {args.num_requests} requests, one {side}x{side} image each ({image_tokens} image tokens), "
           f"{args.max_tokens} new tokens, {args.threads} threads")
     print("| run | output tok/s | mean TTFT (s) | wall (s) | images encoded |\n|---|---|---|---|---|")
     for name, run in (("transformers generate, one at a time", hf), ("pagedserve LLM.generate", ours),

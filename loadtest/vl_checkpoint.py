@@ -1,6 +1,7 @@
-"""A random-weight Qwen2.5-VL checkpoint built locally (the tests' tiny one, or bench_vision's larger one): its image
-processor (Qwen2VLImageProcessor, 8-pixel patches) and a character tokenizer with Qwen's special tokens and a
-Qwen-style chat template beside it; and transformers' greedy generation on (prompt, images), the reference."""
+"""A random-weight Qwen2.5-VL or Qwen3-VL checkpoint built locally (the tests' tiny ones, or bench_vision's larger
+one): its image processor (Qwen2VLImageProcessor, the config's patch size: 8 pixels for the tiny Qwen2.5-VL, 16 for
+Qwen3-VL as its checkpoints have it) and a character tokenizer with Qwen's special tokens and a Qwen-style chat
+template beside it; and transformers' greedy generation on (prompt, images), the reference."""
 from __future__ import annotations
 
 import base64
@@ -16,6 +17,7 @@ VOCAB = 300
 IMAGE, VIDEO, VISION_START, VISION_END, IM_START, IM_END = range(290, 296)
 SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+DEEPSTACK_SCALE = 8.0
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
@@ -39,10 +41,29 @@ def vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: in
                                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-VL_CONFIGS = {"qwen2.5-vl": vl_config}  # the model table's (tests/model_table.py)
+def qwen3_vl_config(layers: int = 3, heads: int = 2, depth: int = 3, vision_hidden: int = 32
+                    ) -> transformers.Qwen3VLConfig:
+    """By default three text layers (head_dim 64, interleaved M-RoPE sections 12/10/10), a three-block tower with
+    16-pixel patches, a 4 x 4 learned position grid (resampled to every image) and DeepStack from its first two
+    blocks (added after the first two text layers)."""
+    text = dict(vocab_size=VOCAB, hidden_size=64 * heads, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=1, head_dim=64, intermediate_size=128 * heads, max_position_embeddings=2048,
+                initializer_range=0.3, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64 * heads,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1], initializer_range=0.3)
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                      video_token_id=VIDEO, vision_start_token_id=VISION_START,
+                                      vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-def build_vl_checkpoint(folder, config: transformers.Qwen2_5_VLConfig | None = None) -> transformers.PreTrainedModel:
+VL_CONFIGS = {"qwen2.5-vl": vl_config, "qwen3-vl": qwen3_vl_config}  # the model table's (tests/model_table.py)
+
+
+def build_vl_checkpoint(folder, config: transformers.PretrainedConfig | None = None) -> transformers.PreTrainedModel:
+    """``config``: a Qwen2.5-VL (by default ``vl_config()``) or Qwen3-VL one."""
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(config or vl_config(), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
@@ -50,9 +71,13 @@ def build_vl_checkpoint(folder, config: transformers.Qwen2_5_VLConfig | None = N
         for name, param in model.named_parameters():
             if name.startswith("model.visual") and name.endswith("weight") and param.dim() == 1:
                 param.normal_(1.0, 0.5)
+            if "deepstack_merger_list" in name and "linear_fc2" in name:  # as large as the hidden states they join
+                param.mul_(DEEPSTACK_SCALE)
     model.save_pretrained(folder)
-    transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2,
-                                       size={"shortest_edge": 256, "longest_edge": 128 * 128}).save_pretrained(folder)
+    patch = model.config.vision_config.patch_size  # images up to 16 x 16 patches
+    transformers.Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2,
+                                       size={"shortest_edge": 256, "longest_edge": (16 * patch) ** 2}
+                                       ).save_pretrained(folder)
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {p: i for i, p in enumerate(chars + [f"<x{i}>" for i in range(IMAGE - len(chars))])}
     tok = Tokenizer(models.WordLevel(vocab | {s: IMAGE + i for i, s in enumerate(SPECIALS)}, unk_token="<x0>"))

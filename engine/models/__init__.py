@@ -14,6 +14,7 @@ from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausa
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.opt import OPTForCausalLM
 from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 
@@ -43,6 +44,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 vision="images (window-attention ViT, encoder cache, M-RoPE)"),
     ModelFamily("Qwen3", {"Qwen3ForCausalLM": Qwen3ForCausalLM},
                 sliding_window="`use_sliding_window` from `max_window_layers` on"),
+    ModelFamily("Qwen3-VL (dense)", {"Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration},
+                tensor_parallel=False, unquantized="vision tower",
+                vision="images (ViT with DeepStack, encoder cache, interleaved M-RoPE)"),
     ModelFamily("Phi-3, Phi-3.5, Phi-4-mini", {"Phi3ForCausalLM": Phi3ForCausalLM},
                 sliding_window="`sliding_window`, every layer"),
     ModelFamily("Gemma 2", {"Gemma2ForCausalLM": Gemma2ForCausalLM},

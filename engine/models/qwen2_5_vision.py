@@ -1,8 +1,10 @@
 """Qwen2.5-VL's vision tower: 3-D patch embedding, 2-D rotary, window attention with a few full-attention blocks,
 and the patch merger that turns each 2 x 2 patch cell into one language-model embedding. Plain torch layers (the
-tower runs once per image, then the encoder cache serves it); module names follow the checkpoint's ``visual.*``."""
+tower runs once per image, then the encoder cache serves it); module names follow the checkpoint's ``visual.*``.
+The patch embedding, rotary, attention and block are Qwen3-VL's tower's too (engine/models/qwen3_vision.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +13,9 @@ from torch import nn
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
+class TowerConfig:
+    """The settings Qwen2.5-VL's and Qwen3-VL's towers share (``vision_config``)."""
+
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -20,22 +24,30 @@ class VisionConfig:
     patch_size: int
     temporal_patch_size: int
     merge_size: int
-    window_size: int
     out_hidden_size: int
-    full_attention_blocks: tuple[int, ...]
     rope_theta: float
+
+    @staticmethod
+    def shared(v: dict) -> dict:
+        """``vision_config``'s shared settings, as keyword arguments."""
+        rope = v.get("rope_parameters") or {}
+        return dict(depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                    num_heads=v["num_heads"], in_channels=v.get("in_channels", 3), patch_size=v["patch_size"],
+                    temporal_patch_size=v.get("temporal_patch_size", 2), merge_size=v.get("spatial_merge_size", 2),
+                    out_hidden_size=v["out_hidden_size"], rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig(TowerConfig):
+    window_size: int
+    full_attention_blocks: tuple[int, ...]
 
     @classmethod
     def from_hf(cls, v: dict) -> VisionConfig:
         if v.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json vision_config.hidden_act: only silu is supported, got {v['hidden_act']!r}")
-        rope = v.get("rope_parameters") or {}
-        return cls(depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
-                   num_heads=v["num_heads"], in_channels=v.get("in_channels", 3), patch_size=v["patch_size"],
-                   temporal_patch_size=v.get("temporal_patch_size", 2), merge_size=v.get("spatial_merge_size", 2),
-                   window_size=v["window_size"], out_hidden_size=v["out_hidden_size"],
-                   full_attention_blocks=tuple(v.get("fullatt_block_indexes", ())),
-                   rope_theta=float(rope.get("rope_theta", 10000.0)))
+        return cls(**TowerConfig.shared(v), window_size=v["window_size"],
+                   full_attention_blocks=tuple(v.get("fullatt_block_indexes", ())))
 
 
 class VisionRMSNorm(nn.Module):
@@ -86,11 +98,13 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, c: VisionConfig) -> None:
+    """A pre-norm block; ``norm`` builds its two norms (Qwen2.5-VL's RMSNorm, Qwen3-VL's LayerNorm)."""
+
+    def __init__(self, hidden: int, num_heads: int, norm: Callable[[int], nn.Module], mlp: nn.Module) -> None:
         super().__init__()
-        self.norm1, self.norm2 = VisionRMSNorm(c.hidden_size), VisionRMSNorm(c.hidden_size)
-        self.attn = VisionAttention(c.hidden_size, c.num_heads)
-        self.mlp = VisionMLP(c.hidden_size, c.intermediate_size)
+        self.norm1, self.norm2 = norm(hidden), norm(hidden)
+        self.attn = VisionAttention(hidden, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), segments, cos, sin)
@@ -108,42 +122,54 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
+class PatchEmbed(nn.Module):
+    """Each patch (channels x temporal_patch x patch x patch pixels) to a ``hidden``-wide row: one 3-D conv."""
+
+    def __init__(self, in_channels: int, temporal_patch: int, patch: int, hidden: int, bias: bool) -> None:
+        super().__init__()
+        self.shape = (-1, in_channels, temporal_patch, patch, patch)
+        self.proj = nn.Conv3d(in_channels, hidden, self.shape[2:], stride=self.shape[2:], bias=bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        proj = self.proj
+        return proj(pixel_values.to(proj.weight.dtype).view(self.shape)).view(-1, proj.out_channels)
+
+
 class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, c: VisionConfig) -> None:
         super().__init__()
         self.config = c
-        kernel = (c.temporal_patch_size, c.patch_size, c.patch_size)
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(c.in_channels, c.hidden_size, kernel, stride=kernel, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.depth))
+        self.patch_embed = PatchEmbed(c.in_channels, c.temporal_patch_size, c.patch_size, c.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(c.hidden_size, c.num_heads, VisionRMSNorm,
+                                                VisionMLP(c.hidden_size, c.intermediate_size)) for _ in range(c.depth))
         self.merger = PatchMerger(c)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The images' embeddings [sum of their merged cells, out_hidden_size], image after image."""
         c, unit = self.config, self.config.merge_size ** 2
-        proj = self.patch_embed.proj
-        x = proj(pixel_values.to(proj.weight.dtype).view(-1, c.in_channels, c.temporal_patch_size, c.patch_size,
-                                                          c.patch_size)).view(-1, c.hidden_size)
+        x = self.patch_embed(pixel_values)
         order, windows = _window_order(grids, c)
         x = x.view(-1, unit, c.hidden_size)[order].view(-1, c.hidden_size)
-        cos, sin = self._rotary(grids, x.device)
+        cos, sin = vision_rotary(grids, c.merge_size, c.hidden_size // c.num_heads, c.rope_theta, x.device)
         cos, sin = (t.view(-1, unit, t.shape[-1])[order].view(-1, 1, t.shape[-1]) for t in (cos, sin))
         frames = [h * w for t, h, w in grids for _ in range(t)]
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in c.full_attention_blocks else windows, cos, sin)
         return self.merger(x)[torch.argsort(order)]
 
-    def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's fp32 cos and sin [patches, head_dim]: its row's angles, then its column's, twice."""
-        c = self.config
-        half = c.hidden_size // c.num_heads // 2  # rows and columns each turn a quarter of the head's angles
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
-        freqs = (_patch_rows_cols(grids, c.merge_size)[..., None].float() * inv_freq).flatten(1)
-        freqs = torch.cat((freqs, freqs), dim=-1).to(device)
-        return freqs.cos(), freqs.sin()
+
+def vision_rotary(grids: list[tuple[int, int, int]], merge: int, head_dim: int, theta: float, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's fp32 cos and sin [patches, head_dim] (the 2-D rotary of Qwen2.5-VL's and Qwen3-VL's towers):
+    its row's angles, then its column's, twice."""
+    half = head_dim // 2  # rows and columns each turn a quarter of the head's angles
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+    freqs = (patch_rows_cols(grids, merge)[..., None].float() * inv_freq).flatten(1)
+    freqs = torch.cat((freqs, freqs), dim=-1).to(device)
+    return freqs.cos(), freqs.sin()
 
 
-def _patch_rows_cols(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+def patch_rows_cols(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
     """[patches, 2] (row, column) of each patch in the processor's order: merge x merge cells, row-major."""
     out = []
     for t, h, w in grids:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The architectures whose images the engine encodes (engine/models: the families with a ``vision`` entry).
-IMAGE_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration"})
+IMAGE_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 # Keys whose top-level value holds for the language model too (transformers ties the LM head by the top level's
 # tie_word_embeddings); the text model's own model_type stays (the families read it, e.g. gemma4_text).
 _TOP_LEVEL = ("architectures", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")

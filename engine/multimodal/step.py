@@ -36,7 +36,7 @@ class ImageRows:
     """The device side, the model's ``images`` argument: ``embeds`` replace the token embeddings at ``rows``."""
 
     rows: torch.Tensor  # int64
-    embeds: torch.Tensor  # [len(rows), hidden]
+    embeds: torch.Tensor  # [len(rows), hidden], or hidden x (1 + DeepStack levels) (Qwen3-VL)
     positions: torch.Tensor  # [3, step rows] int64
 
 

@@ -14,15 +14,24 @@ from loadtest.vl_checkpoint import PLACEHOLDER, build_vl_checkpoint, data_url, h
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-# (text, images): one image; the same text with another image; two images of other sizes in one prompt; text
-# only; a longer prefix before a wider image (24 placeholder tokens across two KV blocks).
-PROMPTS = [
-    ("Hi " + PLACEHOLDER + " what is in it?", [image(1)]),
-    ("Hi " + PLACEHOLDER + " what is in it?", [image(2)]),
-    ("Compare " + PLACEHOLDER + " and " + PLACEHOLDER + " now.", [image(3, 48, 64), image(1)]),
-    ("Just text here, no image at all.", []),
-    ("A long question comes first, then the image: " + PLACEHOLDER + " describe", [image(4, 96, 64)]),
-]
+
+
+def vl_prompts(scale: int = 1) -> list[tuple[str, list]]:
+    """(text, images): one image; the same text with another image; two images of other sizes in one prompt; text
+    only; a longer prefix before a wider image (24 placeholder tokens across two KV blocks). ``scale``: the images'
+    sides times it (2 for 16-pixel patches: the same placeholder counts as 8-pixel ones at 1)."""
+    def img(seed: int, width: int = 64, height: int = 80):
+        return image(seed, width * scale, height * scale)
+    return [
+        ("Hi " + PLACEHOLDER + " what is in it?", [img(1)]),
+        ("Hi " + PLACEHOLDER + " what is in it?", [img(2)]),
+        ("Compare " + PLACEHOLDER + " and " + PLACEHOLDER + " now.", [img(3, 48, 64), img(1)]),
+        ("Just text here, no image at all.", []),
+        ("A long question comes first, then the image: " + PLACEHOLDER + " describe", [img(4, 96, 64)]),
+    ]
+
+
+PROMPTS = vl_prompts()
 SCENARIOS = {
     "plain": dict(enable_prefix_caching=False),
     # 5 prompts of 32 to 80 tokens + 12 new need 16 blocks of 16 at once: 7 force preemption.
@@ -71,9 +80,15 @@ def test_the_images_decide_the_reference(reference):
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_matches_transformers(vl, reference, scenario, backend):
-    llm = make_llm(vl[0], backend, **SCENARIOS[scenario])
+    check_greedy(vl[0], backend, scenario, SCENARIOS[scenario], PROMPTS, reference)
+
+
+def check_greedy(path: str, backend: str, scenario: str, config: dict, prompts, reference: list[list[int]]) -> None:
+    """``prompts`` (four distinct images among them) through the engine under ``config`` == ``reference``, each
+    image encoded once, no step's encoding over the encoder budget, every block free after."""
+    llm = make_llm(path, backend, **config)
     encoded = _record_encoder_calls(llm)
-    assert generate(llm, PROMPTS) == reference
+    assert generate(llm, prompts) == reference
     budget = llm.engine.scheduler.encoder_budget.limit
     assert all(sum(rows) <= budget or len(rows) == 1 for rows in encoded)
     cache, stats = llm.engine.runner.images.cache, llm.engine.stats()
@@ -81,7 +96,7 @@ def test_greedy_matches_transformers(vl, reference, scenario, backend):
     if scenario == "recompute":
         assert stats.num_preemptions_total > 0
     if scenario == "prefix":
-        assert generate(llm, PROMPTS) == reference  # the prompts' full blocks now come from the prefix cache
+        assert generate(llm, prompts) == reference  # the prompts' full blocks now come from the prefix cache
         assert llm.engine.stats().prefix_cache_hits_total > 0
     assert llm.engine.stats().num_blocks_free == stats.num_blocks_total
 
@@ -109,11 +124,16 @@ def test_encoder_budget_splits_the_encoding_across_steps(vl, reference):
 
 
 def test_prefix_cache_keys_blocks_by_their_images(vl, reference):
-    """The same text with another image shares no block holding image tokens; the same image after the same text
-    hits every full block, image tokens included."""
-    llm = make_llm(vl[0], enable_prefix_caching=True)
-    assert generate(llm, PROMPTS[:1]) == reference[:1]
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in PROMPTS[:2]],
+    check_prefix_keys(vl[0], PROMPTS, reference)
+
+
+def check_prefix_keys(path: str, prompts, reference: list[list[int]]) -> None:
+    """The same text with another image (``prompts[1]`` is ``prompts[0]``'s text with another image) shares no
+    block holding image tokens; the same image after the same text hits every full block, image tokens included."""
+    assert reference[0] != reference[1]  # the images decide the answer, so a shared block would show
+    llm = make_llm(path, enable_prefix_caching=True)
+    assert generate(llm, prompts[:1]) == reference[:1]
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts[:2]],
                            GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[:2]
     prompt_len = len(outputs[0].prompt_token_ids)

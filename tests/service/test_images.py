@@ -1,5 +1,5 @@
 """Images over the API: the official openai SDK sends an image chat (a data URL part) to a served tiny Qwen2.5-VL
-checkpoint, whose answer equals transformers'; bad images are refused with a 400 / 413 naming the part, before
+checkpoint, and to a tiny Qwen3-VL one, whose answers equal transformers'; bad images are refused with a 400 / 413 naming the part, before
 anything is queued."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from engine.multimodal.inputs import ImagePatches
 from service.config import GatewayConfig
 from service.memory_broker import MemoryBus
 from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
-from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, data_url, hf_vl_greedy, image
+from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, data_url, hf_vl_greedy, image, qwen3_vl_config
 from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, get_text, local_stack,
                                     post_json)
 
@@ -61,27 +61,43 @@ def look_what(path: str) -> str:
         tokenize=False, add_generation_prompt=True)
 
 
-def reference_ids(path: str, img: Image.Image) -> list[int]:
-    """That prompt's ids as transformers' Qwen2.5-VL processor makes them: the image's one placeholder token
-    repeated once per merged 16 x 16 cell (8-pixel patches, 2 x 2 merged)."""
-    rows = (img.width // 16) * (img.height // 16)
+def reference_ids(path: str, img: Image.Image, cell: int = 16) -> list[int]:
+    """That prompt's ids as transformers' processor makes them: the image's one placeholder token repeated once
+    per merged ``cell`` x ``cell`` cell (``img``'s sides multiples of it, so it is not resized)."""
+    rows = (img.width // cell) * (img.height // cell)
     return [t for token in AutoTokenizer.from_pretrained(path)(look_what(path)).input_ids
             for t in ([token] * rows if token == IMAGE else [token])]
 
 
-def transformers_answer(vl, img: Image.Image) -> tuple[str, int]:
+def transformers_answer(vl, img: Image.Image, cell: int = 16) -> tuple[str, int]:
     """transformers' greedy answer to "Look: <image> what?", and its prompt's tokens."""
     path, model = vl
     expected = hf_vl_greedy(model, path, look_what(path), [img], MAX_TOKENS)
-    return AutoTokenizer.from_pretrained(path).decode(expected, skip_special_tokens=True), len(reference_ids(path, img))
+    return (AutoTokenizer.from_pretrained(path).decode(expected, skip_special_tokens=True),
+            len(reference_ids(path, img, cell)))
+
+
+def sdk_chat(url: str, img: Image.Image) -> tuple[str, int]:
+    """The served answer to "Look: <img> what?" through the openai SDK, and its prompt's tokens."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "}, image_part(data_url(img)),
+                                                {"type": "text", "text": " what?"}))
+    return out.choices[0].message.content, out.usage.prompt_tokens
 
 
 def test_openai_sdk_image_chat_equals_transformers(vl, vl_stack):
-    client = openai.OpenAI(base_url=f"{vl_stack.url}/v1", api_key=API_KEY, max_retries=0)
     for img in (image(7), image(8, 48, 96)):  # two images, the same text: two answers, each transformers'
-        out = client.chat.completions.create(**chat({"type": "text", "text": "Look: "}, image_part(data_url(img)),
-                                                    {"type": "text", "text": " what?"}))
-        assert (out.choices[0].message.content, out.usage.prompt_tokens) == transformers_answer(vl, img)
+        assert sdk_chat(vl_stack.url, img) == transformers_answer(vl, img)
+
+
+@pytest.mark.slow  # a second stack, ~45 s on two shared cores; tests/engine/test_qwen3_vl.py runs the model fast
+def test_openai_sdk_image_chat_equals_transformers_on_qwen3_vl(tmp_path):
+    """Qwen3-VL served: 16-pixel patches, DeepStack and interleaved M-RoPE behind the same API."""
+    model = build_vl_checkpoint(tmp_path, qwen3_vl_config())
+    img = image(7, 128, 160)  # 4 x 5 cells of 32 x 32 pixels: 20 placeholder tokens
+    with local_stack(str(tmp_path), num_workers=1, num_gateways=1) as stack:
+        stack.wait_ready(START_TIMEOUT_S)
+        assert sdk_chat(stack.url, img) == transformers_answer((str(tmp_path), model), img, cell=32)
 
 
 @pytest.fixture(scope="module")
