@@ -504,6 +504,8 @@ def summarize(results: list[Result]) -> list[dict]:
             if base in by and "pagedserve" in by:
                 row[f"ratio_vs_{base}"] = round(by["pagedserve"] / by[base], 2)
                 row[f"cpu_ratio_vs_{base}"] = round(by_cpu["pagedserve"] / by_cpu[base], 2)
+            for variant in (s for s in by if s.startswith("pagedserve-") and base in by):  # int4 vs llama.cpp's best
+                row[f"{variant.removeprefix('pagedserve-')}_ratio_vs_{base}"] = round(by[variant] / by[base], 2)
         rows.append(row)
     return rows
 

@@ -133,15 +133,20 @@ def test_oracle_proposals_give_the_non_speculative_outputs(llama_checkpoint, set
         assert stats.num_preemptions_total > 0
 
 
-def test_ngram_proposals_give_the_greedy_outputs(llama_checkpoint):
-    """The real proposer on prompts that repeat themselves."""
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_ngram_proposals_give_the_greedy_outputs(llama_checkpoint, quantization):
+    """The real proposer on prompts that repeat themselves; with 4-bit weights too (batch-1 decode's fastest
+    form: verification runs the drafts through the same 4-bit layers)."""
     rng = random.Random(1)
     reqs = []
     for _ in range(8):
         phrase = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 8))]
         reqs.append((phrase * 6, SamplingParams(temperature=0.0, max_tokens=30)))
-    expected = run(make_engine(llama_checkpoint.path), reqs)
-    engine = make_engine(llama_checkpoint.path, speculative_method="ngram", ngram_prompt_lookup_min=1)
+    quantized = {} if quantization is None else dict(quantization=quantization, attention_backend="ext")
+    expected = run(make_engine(llama_checkpoint.path, **quantized), reqs)
+    engine = make_engine(llama_checkpoint.path, speculative_method="ngram", ngram_prompt_lookup_min=1, **quantized)
+    if quantization and torch.ops.pagedserve.skinny_linear_w4_supports():  # the 4-bit layers in compiled calls
+        assert all(layer.fused is not None for layer in engine.runner.model.model.layers)
     assert_same(run(engine, reqs), expected)
     assert engine.stats().spec_decode_num_drafts_total > 0
 
