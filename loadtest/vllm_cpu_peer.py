@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,9 +53,12 @@ class VllmCpuWorker:
         job = dict(checkpoint=checkpoint, dtype=dtype, enforce_eager=settings.enforce_eager, max_num_seqs=256,
                    max_num_batched_tokens=2048, max_model_len=max_model_len)
         self.settings = settings
-        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(job)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env=settings.env(threads), cwd="/")
+        # vLLM's own log, kept for a setting that fails
+        self.log = Path(tempfile.gettempdir()) / f"vllm-cpu-{settings.label.replace(', ', '-').replace(' ', '-')}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([python, str(WORKER), json.dumps(job)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True, env=settings.env(threads),
+                                         cwd="/")
         self.load_s = self._answer()["load_s"]
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> tuple[tuple[float, float], list[list[int]]]:
@@ -67,8 +71,8 @@ class VllmCpuWorker:
     def _answer(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"vLLM CPU worker ({self.settings.label}) exited with {self.proc.wait()}: run "
-                               f"{WORKER.name} by hand to see its log")
+            raise RuntimeError(f"vLLM CPU worker ({self.settings.label}) exited with {self.proc.wait()}: its log "
+                               f"is {self.log}")
         return json.loads(line)
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ exactly ``output_lens`` tokens each). CPU seconds cover this process and the eng
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -31,8 +32,16 @@ def cpu_seconds() -> float:
     return total
 
 
+def answer(out, message: dict) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
+    # vLLM logs to stdout: the answers keep the original stdout, everything else goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -40,7 +49,7 @@ def main() -> None:
               enforce_eager=settings["enforce_eager"], max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"], max_model_len=settings["max_model_len"],
               seed=0)
-    print(json.dumps({"ready": True, "load_s": time.perf_counter() - start}), flush=True)
+    answer(out, {"ready": True, "load_s": time.perf_counter() - start})
     for line in sys.stdin:
         job = json.loads(line)
         prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
@@ -49,8 +58,7 @@ def main() -> None:
         wall, cpu = time.perf_counter(), cpu_seconds()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-        print(json.dumps({"wall_s": wall, "cpu_s": cpu,
-                          "outputs": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
+        answer(out, {"wall_s": wall, "cpu_s": cpu, "outputs": [list(o.outputs[0].token_ids) for o in outputs]})
 
 
 if __name__ == "__main__":
