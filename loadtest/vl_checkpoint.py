@@ -77,8 +77,8 @@ def build_vl_checkpoint(folder, config: transformers.PretrainedConfig | None = N
         for name, param in model.named_parameters():
             if name.startswith(("model.visual", "model.vision_tower")) and name.endswith("weight") and param.dim() == 1:
                 param.normal_(1.0, 0.5)
-            elif name.startswith("model.multi_modal_projector"):
-                param.normal_(0.0, 0.5)
+            elif name.startswith("model.multi_modal_projector") or (gemma and name.endswith("norm.weight")):
+                param.normal_(0.0, 0.5)  # Gemma's norms scale by 1 + weight
     model.save_pretrained(folder)
     if gemma:
         transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
