@@ -44,6 +44,8 @@ def expand_image_tokens(token_ids: list[int], images: list[ImagePatches], spec: 
     if count != len(images):
         raise ValueError(f"the prompt has {count} image placeholders for {len(images)} images")
     if spec.wrap is not None:
+        if tokenizer is None:
+            raise ValueError("Gemma 3's image placeholders expand with the tokenizer (their newlines join the text)")
         return _wrapped(token_ids, images, spec, tokenizer)
     out, rows = [], iter(spec.rows(image.grid_thw) for image in images)
     for token in token_ids:

@@ -12,7 +12,8 @@ from engine.multimodal.inputs import ImagePatches
 from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from .conftest import backends, build_checkpoint
 from .test_qwen2_5_vl import GREEDY, MAX_NEW, generate, make_llm
-from loadtest.vl_checkpoint import GEMMA_PLACEHOLDER as P, build_vl_checkpoint, gemma3_vl_config, hf_vl_greedy, image
+from loadtest.vl_checkpoint import (GEMMA_PLACEHOLDER as P, build_vl_checkpoint, data_url, gemma3_vl_config,
+                                    hf_vl_greedy, image)
 
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 # (text, images): one image after a newline (the processor's "\n\n" joins it: one token of three); the same text with
@@ -109,6 +110,19 @@ def test_prefix_cache_keys_blocks_by_their_images(vl, reference):
     assert outputs[0].num_cached_tokens == (prompt_len - 1) // 16 * 16 > 48
     assert outputs[1].num_cached_tokens == 48  # the image's tokens start in the fourth block
     assert outputs[1].outputs[0].token_ids == hf_vl_greedy(vl[1], vl[0], *prompts[1], MAX_NEW)
+
+
+def test_chat_with_a_data_url_image(vl):
+    """LLM.chat: the template's <start_of_image> after "user\\n" (its newlines merge with the wrap's)."""
+    path, model = vl
+    llm = make_llm(path)
+    img = image(7)
+    question = {"type": "text", "text": " what is it?"}
+    out = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img)}},
+                                                 question]}], GREEDY, use_tqdm=False)
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, question]}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert out[0].outputs[0].token_ids == hf_vl_greedy(model, path, text, [img], MAX_NEW)
 
 
 def test_bad_image_requests_are_refused(vl, tmp_path):
