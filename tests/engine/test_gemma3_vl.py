@@ -112,6 +112,21 @@ def test_prefix_cache_keys_blocks_by_their_images(vl, reference):
     assert outputs[1].outputs[0].token_ids == hf_vl_greedy(vl[1], vl[0], *prompts[1], MAX_NEW)
 
 
+def test_a_prefix_hit_ending_inside_an_image(vl):
+    """The image's tokens are 40 to 55 and the cached blocks end at 48: the rest of the image attends to itself both
+    ways and to its cached half (computed whole before), as transformers' whole prefill does."""
+    path, model = vl
+    prompt = [("x" * 38 + P, [image(8)])]
+    llm = make_llm(path, enable_prefix_caching=True)
+    expected = [hf_vl_greedy(model, path, *prompt[0], MAX_NEW)]
+    assert generate(llm, prompt) == expected
+    spans = _record_image_rows(llm)
+    outputs = llm.generate([{"prompt": prompt[0][0], "multi_modal_data": {"image": prompt[0][1]}}], GREEDY,
+                           use_tqdm=False)
+    assert outputs[0].num_cached_tokens == 48 and spans[0] == [(0, 8)]
+    assert [outputs[0].outputs[0].token_ids] == expected
+
+
 def test_chat_with_a_data_url_image(vl):
     """LLM.chat: the template's <start_of_image> after "user\\n" (its newlines merge with the wrap's)."""
     path, model = vl
