@@ -51,11 +51,11 @@ def vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: in
 
 
 def gemma3_vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: int = 32) -> transformers.Gemma3Config:
-    """Two text layers (a sliding one of window 8, shorter than an image's 16 tokens, then a global one), a SigLIP
-    tower on 56-pixel images of 7-pixel patches (8 x 8), average-pooled to 4 x 4 = 16 image tokens."""
+    """By default two text layers (a sliding one of window 8, shorter than an image's 16 tokens, then a global one;
+    more alternate), a SigLIP tower on 56-pixel images of 7-pixel patches (8 x 8), pooled to 4 x 4 = 16 image tokens."""
     text = dict(vocab_size=VOCAB, hidden_size=32 * heads, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=1, head_dim=32, intermediate_size=64 * heads, max_position_embeddings=2048,
-                sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                sliding_window=8, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
                 query_pre_attn_scalar=32, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=depth,
                   num_attention_heads=2, image_size=56, patch_size=7, vision_use_head=False)
