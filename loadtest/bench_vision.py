@@ -6,14 +6,14 @@ requests, and the encoder cache's effect (the same image in every request agains
 
 Model: a random-weight Qwen2.5-VL built here (loadtest/vl_checkpoint.py; ``--layers`` text layers of 4 heads x 64,
 a ``--depth``-block tower of width 128, fp32), its image processor and a character tokenizer; ``--family gemma3``:
-a Gemma 3 of ``--layers`` text layers of 4 heads x 32 (sliding and global in turn) behind a ``--depth``-layer SigLIP
-tower of width 128, each image resized to its 56-pixel square (16 image tokens, whatever ``--image-size``). Requests: "Describe
-<image> briefly." with a random ``--image-size`` pixel square image each (distinct seeds), greedy, ``ignore_eos``,
-``--max-tokens`` new tokens; all submitted at once to the engine (``LLM.generate``), one after another to
-transformers (``generate`` with the processor's pixel values; eager attention). TTFT: the engine's from each
-request's arrival to its first token; transformers' is, for request i, the full runs of the requests before it plus
-its own prefill (a ``max_new_tokens=1`` run), as a server that serves one request at a time would give. Every
-engine output is checked token-exact against transformers' first (fp32 greedy).
+a Gemma 3 of ``--layers`` text layers of 4 heads x 32 (sliding and global in turn) behind a ``--depth``-layer
+SigLIP tower of width 128, each image resized to its 56-pixel square (16 image tokens, whatever ``--image-size``).
+Requests: "Describe <image> briefly." with a random ``--image-size`` pixel square image each (distinct seeds),
+greedy, ``ignore_eos``, ``--max-tokens`` new tokens; all submitted at once to the engine (``LLM.generate``), one
+after another to transformers (``generate`` with the processor's pixel values; eager attention). TTFT: the
+engine's from each request's arrival to its first token; transformers' is, for request i, the full runs of the
+requests before it plus its own prefill (a ``max_new_tokens=1`` run), as a server that serves one request at a time
+would give. Every engine output is checked token-exact against transformers' first (fp32 greedy).
 
 Encoder cache: prefix caching off, so only the encoder cache can spare work; the same requests with one image
 repeated in every request against distinct images, reporting the vision tower's calls and images encoded

@@ -1,7 +1,8 @@
-"""Random-weight vision-language checkpoints built locally (the tests' tiny ones, or bench_vision's larger one): a
-Qwen2.5-VL with its image processor (Qwen2VLImageProcessor, 8-pixel patches), or a Gemma 3 with its (Gemma3ImageProcessor,
-a 56-pixel square image, no pan-and-scan), and beside it a character tokenizer with the family's special tokens and a
-chat template in its style; and transformers' greedy generation on (prompt, images), the reference."""
+"""Random-weight vision-language checkpoints built locally (the tests' tiny ones, or bench_vision's larger ones): a
+Qwen2.5-VL with its image processor (Qwen2VLImageProcessor, 8-pixel patches), or a Gemma 3 with its
+(Gemma3ImageProcessor, a 56-pixel square image, no pan-and-scan), and beside it a character tokenizer with the
+family's special tokens and a chat template in its style; and transformers' greedy generation on (prompt, images),
+the reference."""
 from __future__ import annotations
 
 import base64
@@ -50,7 +51,8 @@ def vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: in
                                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-def gemma3_vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: int = 32) -> transformers.Gemma3Config:
+def gemma3_vl_config(layers: int = 2, heads: int = 2, depth: int = 2, vision_hidden: int = 32
+                     ) -> transformers.Gemma3Config:
     """By default two text layers (a sliding one of window 8, shorter than an image's 16 tokens, then a global one;
     more alternate), a SigLIP tower on 56-pixel images of 7-pixel patches (8 x 8), pooled to 4 x 4 = 16 image tokens."""
     text = dict(vocab_size=VOCAB, hidden_size=32 * heads, num_hidden_layers=layers, num_attention_heads=heads,
@@ -83,8 +85,9 @@ def build_vl_checkpoint(folder, config: transformers.PretrainedConfig | None = N
     if gemma:
         transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
     else:
+        size = {"shortest_edge": 256, "longest_edge": 128 * 128}
         transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2,
-                                           size={"shortest_edge": 256, "longest_edge": 128 * 128}).save_pretrained(folder)
+                                           size=size).save_pretrained(folder)
     _char_tokenizer(gemma).save_pretrained(folder)
     return model
 

@@ -27,9 +27,9 @@ PROMPTS = [
 ]
 SCENARIOS = {
     "plain": dict(enable_prefix_caching=False),
-    # 5 prompts of 32 to 84 tokens + 12 new need 17 blocks of 16 at once: 8 force preemption.
+    # 5 prompts of 32 to 89 tokens + 12 new need 24 blocks of 16 at once: 8 force preemption.
     "recompute": dict(num_device_blocks=8, preemption_mode="recompute", enable_prefix_caching=False),
-    # 20-token chunks would cut every image's 16 tokens: each chunk ends before the image instead.
+    # 20-token chunks would cut images' 16 tokens: such a chunk ends before its image instead.
     "chunked": dict(max_num_batched_tokens=20, enable_chunked_prefill=True, enable_prefix_caching=False),
     "prefix": dict(enable_prefix_caching=True),
 }
