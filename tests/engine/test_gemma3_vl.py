@@ -32,6 +32,10 @@ SCENARIOS = {
     # 20-token chunks would cut images' 16 tokens: such a chunk ends before its image instead.
     "chunked": dict(max_num_batched_tokens=20, enable_chunked_prefill=True, enable_prefix_caching=False),
     "prefix": dict(enable_prefix_caching=True),
+    # One image's 16 rows a step: the prompt with three images is prefilled over three steps at least.
+    "encoder-budget": dict(max_num_encoder_tokens=16, enable_prefix_caching=False),
+    # The next step planned while this one runs: the image spans ride on the plan.
+    "async": dict(async_scheduling=True),
 }
 
 
