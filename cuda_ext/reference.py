@@ -89,6 +89,7 @@ def paged_attention(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional: list[tuple[int, int]] | None = None,
 ) -> None:
     """Causal attention of each sequence's query rows over its paged context, into out.
 
@@ -98,7 +99,9 @@ def paged_attention(
     the last ``sliding_window`` of them (transformers' rule: key j when position - j < window). A ``softcap``
     (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax. ``sinks`` (fp32
     [num_heads], gpt-oss) gives each head one more logit that joins the softmax's denominator but has no value.
-    fp32 math; a quantized cache (scales given) is dequantised first.
+    fp32 math; a quantized cache (scales given) is dequantised first. ``bidirectional``: query row ranges
+    [start, end), each within one sequence's rows, whose rows also see each other's later keys (an image's tokens
+    in Gemma 3; the window still bounds the keys behind a row). The compiled kernels take none.
     """
     group = query.shape[1] // key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -115,6 +118,10 @@ def paged_attention(
         positions = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
         keys = torch.arange(lo, seq_len, device=query.device)[None, :]
         hidden = keys > positions[:, None]
+        for start, end in bidirectional or ():
+            if q0 <= start < q1:
+                first = int(positions[start - q0])
+                hidden[start - q0:end - q0] &= (keys < first) | (keys >= first + end - start)
         if sliding_window:
             hidden |= keys <= positions[:, None] - sliding_window
         probs = with_sinks(scores.masked_fill(hidden, float("-inf")), sinks).softmax(dim=-1)[..., :scores.shape[-1]]

@@ -122,7 +122,7 @@ class LLM:
         token_lists = [self.tokenizer(t).input_ids for t in texts]
         spec = self.engine.images.spec
         if spec is not None:  # a vision-language model: one placeholder token per embedding row
-            token_lists = [expand_image_tokens(t, own, spec) for t, own in zip(token_lists, images)]
+            token_lists = [expand_image_tokens(t, own, spec, self.tokenizer) for t, own in zip(token_lists, images)]
         return token_lists, texts, images
 
     def _images(self, prompt: dict) -> list[ImagePatches]:

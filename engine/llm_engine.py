@@ -64,7 +64,8 @@ class LLMEngine:
         if self.images.spec is not None:  # the runner's step splices the encoder cache's embeddings
             self.runner.images = self.images.step(self.runner.model, config.encoder_cache_tokens)
             self.scheduler.encoder_budget = EncoderBudget(
-                config.max_num_encoder_tokens or config.max_num_batched_tokens, self.runner.images.cache)
+                config.max_num_encoder_tokens or config.max_num_batched_tokens, self.runner.images.cache,
+                whole_images=_whole_images(self.images.spec, config.max_num_batched_tokens))
 
     # ---- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
@@ -272,3 +273,15 @@ def _new_seqs(prompt: list[int], resume: ResumeState | None) -> list[Sequence]:
     return [Sequence(prompt + list(out), len(prompt), index, SequenceStatus(reason or "waiting"),
                      logprobs=[[] for _ in out], num_emitted_tokens=len(out))
             for index, (out, reason) in enumerate(zip(resume.output_token_ids, resume.finish_reasons))]
+
+
+def _whole_images(spec: VisionSpec, max_num_batched_tokens: int) -> bool:
+    """Whether prefill chunks must hold an image whole (Gemma 3's attend to themselves both ways): then a step's
+    token budget must hold one."""
+    if spec.wrap is None:
+        return False
+    rows = spec.rows((1, spec.wrap.image_size, spec.wrap.image_size))
+    if rows > max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must hold an image's {rows} tokens: "
+                         "a prefill chunk never splits an image, whose tokens attend to each other both ways")
+    return True

@@ -2,17 +2,19 @@
 requests, and the encoder cache's effect (the same image in every request against a distinct one each).
 
     python -m loadtest.bench_vision [--num-requests 16] [--max-tokens 32] [--image-size 224] [--threads 2]
-                                    [--family qwen2.5-vl|qwen3-vl]
+                                    [--family qwen2.5-vl|qwen3-vl|gemma3]
 
 Model: a random-weight Qwen2.5-VL (8-pixel patches) or Qwen3-VL (16-pixel patches, DeepStack) built here
 (loadtest/vl_checkpoint.py; ``--layers`` text layers of 4 heads x 64, a ``--depth``-block tower of width 128,
-fp32), its image processor and a character tokenizer. Requests: "Describe
-<image> briefly." with a random ``--image-size`` pixel square image each (distinct seeds), greedy, ``ignore_eos``,
-``--max-tokens`` new tokens; all submitted at once to the engine (``LLM.generate``), one after another to
-transformers (``generate`` with the processor's pixel values; eager attention). TTFT: the engine's from each
-request's arrival to its first token; transformers' is, for request i, the full runs of the requests before it plus
-its own prefill (a ``max_new_tokens=1`` run), as a server that serves one request at a time would give. Every
-engine output is checked token-exact against transformers' first (fp32 greedy).
+fp32), its image processor and a character tokenizer; ``--family gemma3``:
+a Gemma 3 of ``--layers`` text layers of 4 heads x 32 (sliding and global in turn) behind a ``--depth``-layer
+SigLIP tower of width 128, each image resized to its 56-pixel square (16 image tokens, whatever ``--image-size``).
+Requests: "Describe <image> briefly." with a random ``--image-size`` pixel square image each (distinct seeds),
+greedy, ``ignore_eos``, ``--max-tokens`` new tokens; all submitted at once to the engine (``LLM.generate``), one
+after another to transformers (``generate`` with the processor's pixel values; eager attention). TTFT: the
+engine's from each request's arrival to its first token; transformers' is, for request i, the full runs of the
+requests before it plus its own prefill (a ``max_new_tokens=1`` run), as a server that serves one request at a time
+would give. Every engine output is checked token-exact against transformers' first (fp32 greedy).
 
 Encoder cache: prefix caching off, so only the encoder cache can spare work; the same requests with one image
 repeated in every request against distinct images, reporting the vision tower's calls and images encoded
@@ -28,34 +30,38 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.multimodal.processor import ImageProcessor
-from loadtest.vl_checkpoint import PLACEHOLDER, VL_CONFIGS, build_vl_checkpoint, hf_vl_greedy, image
+from loadtest.vl_checkpoint import (GEMMA_PLACEHOLDER, PLACEHOLDER, build_vl_checkpoint, gemma3_vl_config,
+                                    hf_vl_greedy, image, qwen3_vl_config, vl_config)
 
-PROMPT = "Describe " + PLACEHOLDER + " briefly."
+# Each family's config builder and prompt (its chat template's image placeholder).
+FAMILIES = {"qwen2.5-vl": (vl_config, "Describe " + PLACEHOLDER + " briefly."),
+            "qwen3-vl": (qwen3_vl_config, "Describe " + PLACEHOLDER + " briefly."),
+            "gemma3": (gemma3_vl_config, "Describe " + GEMMA_PLACEHOLDER + " briefly.")}
 
 
-def engine_run(path: str, images: list, max_tokens: int, threads: int, prefix_caching: bool) -> dict:
+def engine_run(path: str, prompt: str, images: list, max_tokens: int, threads: int, prefix_caching: bool) -> dict:
     llm = LLM(path, dtype="float32", num_device_blocks=1024, num_threads=threads, show_progress=False,
               enable_prefix_caching=prefix_caching)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images], params,
+    outputs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": img}} for img in images], params,
                            use_tqdm=False)
     wall = time.perf_counter() - start
     cache = llm.engine.runner.images.cache
     return {"tokens": [o.outputs[0].token_ids for o in outputs], "wall_s": wall,
             "ttft_s": statistics.mean(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs),
-            "encoded": cache.misses, "cache_hits": cache.hits}
+            "encoded": cache.misses, "cache_hits": cache.hits,
+            "image_tokens": outputs[0].prompt_token_ids.count(llm.engine.images.spec.image_token_id)}
 
 
-def transformers_run(model, path: str, images: list, max_tokens: int) -> dict:
+def transformers_run(model, path: str, prompt: str, images: list, max_tokens: int) -> dict:
     tokens, ttfts, elapsed = [], [], 0.0
     for img in images:
         start = time.perf_counter()
-        hf_vl_greedy(model, path, PROMPT, [img], 1)
+        hf_vl_greedy(model, path, prompt, [img], 1)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        tokens.append(hf_vl_greedy(model, path, PROMPT, [img], max_tokens))
+        tokens.append(hf_vl_greedy(model, path, prompt, [img], max_tokens))
         ttfts.append(elapsed + prefill)
         elapsed += time.perf_counter() - start
     return {"tokens": tokens, "wall_s": elapsed, "ttft_s": statistics.mean(ttfts)}
@@ -70,25 +76,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--family", choices=sorted(VL_CONFIGS), default="qwen2.5-vl")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2.5-vl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     side = args.image_size
     distinct = [image(seed, side, side) for seed in range(args.num_requests)]
+    config, prompt = FAMILIES[args.family]
     with tempfile.TemporaryDirectory() as path:
-        config = VL_CONFIGS[args.family](layers=args.layers, heads=4, depth=args.depth, vision_hidden=128)
-        model = build_vl_checkpoint(path, config)
-        patches = ImageProcessor(path)(distinct[:1])[0].pixel_values  # the processor may resize the image
-        image_tokens = len(patches) // config.vision_config.spatial_merge_size ** 2
-        hf = transformers_run(model, path, distinct, args.max_tokens)
-        ours = engine_run(path, distinct, args.max_tokens, args.threads, prefix_caching=True)
+        model = build_vl_checkpoint(path, config(layers=args.layers, heads=4, depth=args.depth, vision_hidden=128))
+        hf = transformers_run(model, path, prompt, distinct, args.max_tokens)
+        ours = engine_run(path, prompt, distinct, args.max_tokens, args.threads, prefix_caching=True)
         if ours["tokens"] != hf["tokens"]:
             raise SystemExit("the engine's outputs differ from transformers': no figures")
-        repeated = engine_run(path, [distinct[0]] * args.num_requests, args.max_tokens, args.threads, False)
-        fresh = engine_run(path, distinct, args.max_tokens, args.threads, False)
+        repeated = engine_run(path, prompt, [distinct[0]] * args.num_requests, args.max_tokens, args.threads, False)
+        fresh = engine_run(path, prompt, distinct, args.max_tokens, args.threads, False)
     generated = args.num_requests * args.max_tokens
-    print(f"{args.family}: {args.num_requests} requests, one {side}x{side} image each ({image_tokens} image tokens), "
-          f"{args.max_tokens} new tokens, {args.threads} threads")
+    print(f"{args.family}: {args.num_requests} requests, one {side}x{side} image each ({ours['image_tokens']} image "
+          f"tokens), {args.max_tokens} new tokens, {args.threads} threads")
     print("| run | output tok/s | mean TTFT (s) | wall (s) | images encoded |\n|---|---|---|---|---|")
     for name, run in (("transformers generate, one at a time", hf), ("pagedserve LLM.generate", ours),
                       ("pagedserve, distinct images, no prefix cache", fresh),

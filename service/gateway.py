@@ -50,7 +50,7 @@ class Gateway:
         self.tenancy = Tenancy(config)
         self.threads = TokenizerThreads(config, tokenizer, self.tenancy)
         self.prompts = Prompts(tokenizer, config.max_chars_per_token)
-        self.images = GatewayImages(config, config.model)  # a vision-language checkpoint's image reader
+        self.images = GatewayImages(config, config.model, tokenizer)  # a vision-language checkpoint's image reader
         policies, default = config.policies()
         self.limits = KeyLimits(policies, default, config.retry_after_s,
                                 lambda: broker.limiter(config.limit_lease_s))

@@ -29,8 +29,8 @@ def image_parts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 class GatewayImages:
-    def __init__(self, config: GatewayConfig, model_path: str | None) -> None:
-        self.config = config
+    def __init__(self, config: GatewayConfig, model_path: str | None, tokenizer: Any = None) -> None:
+        self.config, self.tokenizer = config, tokenizer  # the tokenizer: Gemma 3's expansion encodes newlines
         self.spec = _vision_spec(model_path)
         # Loaded with the gateway (its imports take seconds), not on a first image request's tokenizer thread.
         self._processor = None if self.spec is None else ImageProcessor(model_path)
@@ -122,7 +122,7 @@ class GatewayImages:
         if self.spec is None:
             return ids
         try:
-            return expand_image_tokens(ids, patches, self.spec)
+            return expand_image_tokens(ids, patches, self.spec, self.tokenizer)
         except ValueError as exc:
             raise APIError(400, f"{exc} (the chat template must write one image placeholder per image part)",
                            param="messages") from None

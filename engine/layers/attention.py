@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cuda_ext import KernelOps
+from cuda_ext import KernelOps, reference
 from engine.layers.linear import Shard
 
 
@@ -35,6 +35,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     state: StateMetadata | None = None  # hybrid models only
+    # Row ranges [start, end) of the step, each within one sequence's rows, whose rows also see each other's later
+    # keys: an image's tokens in Gemma 3 (engine/models/gemma3_vl.py). None: causal throughout.
+    bidirectional: list[tuple[int, int]] | None = None
 
 
 class PagedAttention(nn.Module):
@@ -78,8 +81,12 @@ class PagedAttention(nn.Module):
         """Attention over the bound cache as it is, this step's K/V already in it: alone, for a layer that reads
         another layer's K/V (Gemma 4's shared layers)."""
         out = torch.empty_like(q)
-        self.ops.paged_attention(out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                 self.sliding_window, self.softcap, key_scale=self.k_scale, value_scale=self.v_scale,
-                                 sinks=None if self.sinks is None else self.sinks.float())  # the kernels' fp32
+        args = (out, q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.max_query_len, meta.max_seq_len, self.scale, self.sliding_window, self.softcap)
+        scales = dict(key_scale=self.k_scale, value_scale=self.v_scale,
+                      sinks=None if self.sinks is None else self.sinks.float())  # the kernels' fp32
+        if meta.bidirectional:  # the kernels are causal only: such a step (a prefill with images) takes the torch op
+            reference.paged_attention(*args, **scales, bidirectional=meta.bidirectional)
+        else:
+            self.ops.paged_attention(*args, **scales)
         return out.view(q.shape[0], -1)

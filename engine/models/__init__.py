@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -53,6 +54,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 sliding_window="alternating local / global layers"),
     ModelFamily("Gemma 3 (text)", {"Gemma3ForCausalLM": Gemma3ForCausalLM},
                 sliding_window="5 local : 1 global (`layer_types`)"),
+    ModelFamily("Gemma 3 (vision)", {"Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration},
+                sliding_window="5 local : 1 global (`layer_types`)", tensor_parallel=False,
+                unquantized="vision tower, projector",
+                vision="images (SigLIP, one fixed square, no pan-and-scan; an image's tokens attend both ways)"),
     ModelFamily("Gemma 4 (text; the multimodal checkpoints' text model)",
                 {"Gemma4ForCausalLM": Gemma4ForCausalLM,
                  "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration},

@@ -53,7 +53,10 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.hf["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embed_scale
+        return self.decode(self.embed_tokens(input_ids) * self.embed_scale, positions, meta)
+
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm over the step's input embeddings ``h``."""
         ropes = [rotary.step(positions, meta) for rotary in self.rotaries]
         for layer, rope in zip(self.layers, self.layer_rope):
             h = layer(ropes[rope], h, meta)

@@ -8,8 +8,10 @@ from engine.sequence import SequenceGroup
 
 
 class EncoderBudget:
-    def __init__(self, limit: int, cache: EncoderCache) -> None:
-        self.limit, self.cache = limit, cache
+    """``whole_images``: a chunk never ends inside an image (Gemma 3's attend to themselves both ways)."""
+
+    def __init__(self, limit: int, cache: EncoderCache, whole_images: bool = False) -> None:
+        self.limit, self.cache, self.whole_images = limit, cache, whole_images
         self.left = limit
         self._counted: set[bytes] = set()  # images this step encodes already
 
@@ -24,6 +26,8 @@ class EncoderBudget:
         if mm is None:
             return num_new
         for image in mm.images_in(start, start + num_new):
+            if self.whole_images and image.offset + image.length > start + num_new:
+                return max(image.offset - start, 0)  # the next chunk takes it whole
             digest = image.content_hash
             if digest in self.cache.entries or digest in self._counted:
                 continue

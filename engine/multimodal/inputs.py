@@ -1,5 +1,5 @@
 """A prompt's images as the engine keeps them: each image's patches, content hash and placeholder span, and the
-prompt's M-RoPE positions (Qwen2.5-VL's temporal / height / width rows)."""
+prompt's M-RoPE positions (Qwen2.5-VL's temporal / height / width rows; Gemma 3's three rows are its plain ones)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ class ImagePatches:
     """One preprocessed image as the checkpoint's image processor gives it."""
 
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch] fp32
-    grid_thw: tuple[int, int, int]  # patches along time, height, width
+    grid_thw: tuple[int, int, int]  # patches along time, height, width (Gemma 3: a patch is a pixel, channels last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,10 @@ def build_inputs(prompt: list[int], images: list[ImagePatches], spec: VisionSpec
             raise ValueError(f"image {i}: {length} placeholder tokens in the prompt, its grid "
                              f"{patches.grid_thw} needs {spec.rows(patches.grid_thw)}")
         placed.append(ImageInput(patches, content_hash(patches), offset, length))
-    positions, delta = mrope_positions(len(prompt), placed, spec.merge_size)
+    if spec.wrap is None:
+        positions, delta = mrope_positions(len(prompt), placed, spec.merge_size)
+    else:  # Gemma 3: image tokens count on like text
+        positions, delta = torch.arange(len(prompt), dtype=torch.int64).expand(3, -1), 0
     spans = tuple((image.offset, image.length, image.content_hash) for image in placed)
     return MultiModalInputs(tuple(placed), positions, delta), spans
 
@@ -81,6 +84,9 @@ def _check_patches(i: int, patches: ImagePatches, spec: VisionSpec) -> None:
     if min(t, h, w) <= 0 or h % spec.merge_size or w % spec.merge_size:
         raise ValueError(f"image {i}: grid_thw {patches.grid_thw} must be positive, height and width multiples "
                          f"of spatial_merge_size {spec.merge_size}")
+    if spec.wrap is not None and patches.grid_thw != (1, spec.wrap.image_size, spec.wrap.image_size):
+        raise ValueError(f"image {i}: grid_thw {patches.grid_thw}, the model takes (1, {spec.wrap.image_size}, "
+                         f"{spec.wrap.image_size}) (one {spec.wrap.image_size}-pixel square)")
     if patches.pixel_values.dim() != 2 or patches.pixel_values.shape[0] != t * h * w:
         raise ValueError(f"image {i}: pixel_values of shape {tuple(patches.pixel_values.shape)}, its grid "
                          f"{patches.grid_thw} needs [{t * h * w}, patch features]")

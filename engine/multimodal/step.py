@@ -38,6 +38,7 @@ class ImageRows:
     rows: torch.Tensor  # int64
     embeds: torch.Tensor  # [len(rows), hidden], or hidden x (1 + DeepStack levels) (Qwen3-VL)
     positions: torch.Tensor  # [3, step rows] int64
+    spans: list[tuple[int, int]]  # each image's rows [start, end) in the step (Gemma 3 attends within them both ways)
 
 
 class ImageStep:
@@ -76,4 +77,5 @@ class ImageStep:
         embeds = self.cache.get([s.image for s in step.splices])
         rows = torch.cat([torch.arange(s.row, s.row + s.stop - s.start) for s in step.splices])
         parts = [embeds[s.image.content_hash][s.start:s.stop] for s in step.splices]
-        return ImageRows(rows.to(device), torch.cat(parts), step.positions.to(device))
+        spans = [(s.row, s.row + s.stop - s.start) for s in step.splices]
+        return ImageRows(rows.to(device), torch.cat(parts), step.positions.to(device), spans)

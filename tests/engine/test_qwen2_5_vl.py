@@ -48,16 +48,26 @@ SCENARIOS = {
 }
 
 
+def built(tmp_path_factory, name: str, config=None) -> tuple[str, object]:
+    """(folder, transformers model) of a tiny checkpoint: each family's ``vl`` fixture."""
+    folder = tmp_path_factory.mktemp(name)
+    return str(folder), build_vl_checkpoint(folder, config)
+
+
+def hf_reference(vl, prompts) -> list[list[int]]:
+    """transformers' greedy tokens for each (text, images): each family's ``reference`` fixture."""
+    path, model = vl
+    return [hf_vl_greedy(model, path, text, images, MAX_NEW) for text, images in prompts]
+
+
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
-    return str(folder), build_vl_checkpoint(folder)
+    return built(tmp_path_factory, "qwen2_5_vl")
 
 
 @pytest.fixture(scope="module")
 def reference(vl) -> list[list[int]]:
-    path, model = vl
-    return [hf_vl_greedy(model, path, text, images, MAX_NEW) for text, images in PROMPTS]
+    return hf_reference(vl, PROMPTS)
 
 
 def make_llm(path: str, backend: str = "torch", **overrides) -> LLM:

@@ -14,8 +14,8 @@ from engine.multimodal.mrope import mrope_sections
 from engine.multimodal.processor import ImageProcessor, expand_image_tokens
 from .conftest import backends
 from .test_qwen2_5_vl import SCENARIOS as QWEN2_5_SCENARIOS
-from .test_qwen2_5_vl import MAX_NEW, check_greedy, check_prefix_keys, generate, make_llm, vl_prompts
-from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, hf_vl_greedy, qwen3_vl_config
+from .test_qwen2_5_vl import built, check_greedy, check_prefix_keys, generate, hf_reference, make_llm, vl_prompts
+from loadtest.vl_checkpoint import IMAGE, qwen3_vl_config
 
 # Qwen2.5-VL's test prompts and scenarios (tests/engine/test_qwen2_5_vl.py), the images twice as large for
 # 16-pixel patches; in "chunked" an image's main and DeepStack rows reach the step in pieces.
@@ -25,14 +25,12 @@ SCENARIOS = {name: QWEN2_5_SCENARIOS[name] for name in ("plain", "recompute", "c
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3_vl")
-    return str(folder), build_vl_checkpoint(folder, qwen3_vl_config())
+    return built(tmp_path_factory, "qwen3_vl", qwen3_vl_config())
 
 
 @pytest.fixture(scope="module")
 def reference(vl) -> list[list[int]]:
-    path, model = vl
-    return [hf_vl_greedy(model, path, text, images, MAX_NEW) for text, images in PROMPTS]
+    return hf_reference(vl, PROMPTS)
 
 
 def test_checkpoint_preprocesses_with_16_pixel_patches(vl):

@@ -4,6 +4,7 @@ anything is queued."""
 from __future__ import annotations
 
 
+import asyncio
 import http.server
 import json
 import io
@@ -15,15 +16,16 @@ import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoTokenizer
+from transformers import AutoImageProcessor, AutoTokenizer, Gemma3Processor
 
 from engine.multimodal.inputs import ImagePatches
 from service.config import GatewayConfig
-from service.memory_broker import MemoryBus
-from service.messages import RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
-from loadtest.vl_checkpoint import IMAGE, build_vl_checkpoint, data_url, hf_vl_greedy, image, qwen3_vl_config
-from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, gateway_client, get_text, local_stack,
-                                    post_json)
+from service.memory_broker import MemoryBus, MemoryWorkerBroker
+from service.messages import Heartbeat, RequestMsg, SchemaError, decode, encode, images_from_wire, images_to_wire
+from loadtest.vl_checkpoint import (IMAGE, build_vl_checkpoint, data_url, gemma3_vl_config, hf_vl_greedy, image,
+                                    qwen3_vl_config)
+from tests.service.conftest import (API_KEY, MODEL_NAME, START_TIMEOUT_S, engine_stats, gateway_client, get_text,
+                                    local_stack, post_json)
 
 MAX_TOKENS = 10
 CHAT_URL = "/v1/chat/completions"
@@ -284,3 +286,25 @@ def test_the_served_document_takes_the_image_parts_the_gateway_takes(vl_stack, i
     assert messages.is_valid({"messages": [{"role": "user", "content": [block]}]})
     gif_block = {"type": "image", "source": {"type": "base64", "media_type": "image/gif", "data": "R0lGODlh"}}
     assert not messages.is_valid({"messages": [{"role": "user", "content": [gif_block]}]})
+
+
+async def test_a_gemma3_chat_is_expanded_as_its_processor_does(tmp_path):
+    """Gemma 3: the template's <start_of_image> right after "user\\n"; the ids the gateway queues for the engine are
+    Gemma3Processor's (the wrap's newlines joined with the template's), its 16 image tokens included."""
+    path, img = str(tmp_path), image(2)
+    build_vl_checkpoint(path, gemma3_vl_config())
+    tokenizer, bus = AutoTokenizer.from_pretrained(path), MemoryBus()
+    question = {"type": "text", "text": " what?"}
+    config = GatewayConfig(model=path, engine_poll_s=0.05, resume_deadline_s=0.3)
+    async with gateway_client(config, tokenizer, bus) as client:
+        await MemoryWorkerBroker(bus, "silent", MODEL_NAME, heartbeat_ttl_s=0.2).heartbeat(
+            Heartbeat("silent", "1", MODEL_NAME, 2048, engine_stats()))
+        while (await client.get("/ready")).status != 200:
+            await asyncio.sleep(0.02)
+        response = await asyncio.wait_for(client.post(CHAT_URL, json=chat(image_part(data_url(img)), question)), 10)
+    assert response.status == 503  # queued, never pulled: the engine stopped beating
+    [(_, payload)] = bus.queued[MODEL_NAME]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, question]}], tokenize=False,
+                                         add_generation_prompt=True)
+    processor = Gemma3Processor(AutoImageProcessor.from_pretrained(path), tokenizer, image_seq_length=16)
+    assert decode(RequestMsg, payload).prompt_token_ids == processor(text=text, images=[img])["input_ids"][0]
