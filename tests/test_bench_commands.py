@@ -70,6 +70,8 @@ PLACEHOLDERS = {"--json": "out.json", "--tensor-parallel-size": "2", "--flood-po
 # A flag -> (whether a run with these values can happen here, why not).
 REQUIREMENTS: dict[str, tuple[Callable[[list[str]], bool], str]] = {
     "--llama-cpp": (lambda _: find_spec("llama_cpp") is not None, "the llama.cpp peer needs llama-cpp-python"),
+    "--vllm-cpu": (lambda values: all(Path(v).is_file() for v in values),
+                   "the vLLM CPU peer needs the python of a venv holding vllm-cpu"),
     "--device": (lambda values: "cuda" not in values or _has_cuda(), "needs a CUDA GPU"),
 }
 
