@@ -75,7 +75,7 @@ class ImageStep:
     def inputs(self, step: StepImages, device: torch.device) -> ImageRows:
         """The splices' embeddings from the encoder cache (the vision tower runs on the images it lacks)."""
         embeds = self.cache.get([s.image for s in step.splices])
-        rows = torch.cat([torch.arange(s.row, s.row + s.stop - s.start) for s in step.splices])
-        parts = [embeds[s.image.content_hash][s.start:s.stop] for s in step.splices]
         spans = [(s.row, s.row + s.stop - s.start) for s in step.splices]
+        rows = torch.cat([torch.arange(start, end) for start, end in spans])
+        parts = [embeds[s.image.content_hash][s.start:s.stop] for s in step.splices]
         return ImageRows(rows.to(device), torch.cat(parts), step.positions.to(device), spans)
